@@ -1,0 +1,26 @@
+"""alpa_lite: Alpa-style automatic parallelization of JAX train steps on stock JAX.
+
+    import alpa_lite as al
+
+    @al.parallelize(method=al.Auto())
+    def train_step(params, opt_state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(params, batch)
+        ...
+"""
+
+from alpa_lite.api import ParallelizedStep as ParallelizedStep
+from alpa_lite.api import parallelize as parallelize
+from alpa_lite.cost_models.cluster import Cluster as Cluster
+from alpa_lite.errors import PlanMismatchError as PlanMismatchError
+from alpa_lite.errors import PlanningError as PlanningError
+from alpa_lite.markers import grad as grad
+from alpa_lite.markers import value_and_grad as value_and_grad
+from alpa_lite.methods import Auto as Auto
+from alpa_lite.methods import DataParallel as DataParallel
+from alpa_lite.methods import Manual as Manual
+from alpa_lite.plan import Plan as Plan
+
+__all__ = [
+    "Auto", "Cluster", "DataParallel", "Manual", "ParallelizedStep", "Plan",
+    "PlanMismatchError", "PlanningError", "grad", "parallelize", "value_and_grad",
+]

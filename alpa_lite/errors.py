@@ -1,0 +1,9 @@
+"""The errors alpa_lite raises for problems a user can fix."""
+
+
+class PlanningError(ValueError):
+    """No plan satisfies the request (memory budget, mesh shape, divisibility)."""
+
+
+class PlanMismatchError(ValueError):
+    """A plan was used with a different cluster, program or argument shapes."""

@@ -1,0 +1,60 @@
+"""Reading the collectives out of a compiled (partitioned) HLO module's text.
+
+Used to check a plan's predicted collectives against what XLA compiled. Byte counts follow
+the HLO result shape of each collective, per device (for an asynchronous `*-start` op, the
+result buffer of its tuple).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+             "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s+"
+                   r"(?P<op>" + "|".join(_KINDS) + r")(?P<start>-start)?\(")
+_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class HloCollective:
+    kind: str
+    nbytes: int          # per device, result shape (summed over a tuple result)
+    num_results: int     # tuple arity (a combined all-reduce carries several tensors)
+
+
+def _shape_bytes(text: str) -> list[int]:
+    out = []
+    for dtype, dims in _ARRAY.findall(text):
+        if dtype not in _ITEMSIZE:
+            continue
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        out.append(n * _ITEMSIZE[dtype])
+    return out
+
+
+def collectives_in_hlo(hlo_text: str) -> list[HloCollective]:
+    """Every collective op in a compiled HLO module (done-ops are not counted twice)."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _LINE.search(line)
+        if not m:
+            continue
+        sizes = _shape_bytes(m.group("shape"))
+        if m.group("start") and m.group("op") in ("all-gather", "collective-permute",
+                                                  "all-to-all", "reduce-scatter") \
+                and len(sizes) >= 2:
+            sizes = sizes[len(sizes) // 2:]   # (operands..., results...)
+        found.append(HloCollective(m.group("op"), sum(sizes), len(sizes)))
+    return found
+
+
+def bytes_by_kind(collectives) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in collectives:
+        out[c.kind] = out.get(c.kind, 0) + c.nbytes
+    return dict(sorted(out.items()))

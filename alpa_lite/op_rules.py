@@ -1,0 +1,413 @@
+"""Sharding rules: each primitive described as an einsum over labelled dimensions.
+
+Every operator is described by `DimLabels`: an integer label per dimension of each operand
+and result. Dimensions that share a label are split together; a label that appears in the
+operands but in no result is reduced over (a contraction), so splitting it leaves partial
+results that an all-reduce combines; a label in `fixed` may not be split (a scanned axis, a
+sliced dimension, a gathered-from axis). A sharding strategy assigns each mesh axis to one
+label or to none, and `enumerate_assignments` lists every valid assignment. This is the
+Alpa formulation (a matmul C[b,i,j] = A[b,i,k]·B[b,k,j] on a 2-D mesh assigns mesh axes to
+{b, i, j, k}) made uniform across primitives, so a new primitive needs only its labels.
+
+A primitive without a rule gets `None` from `dim_labels`, and the planner replicates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any, Mapping, Sequence
+
+# Ops that combine operands of one shape element by element (rank-0 operands broadcast).
+ELEMENTWISE = frozenset("""
+abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp complex conj copy
+copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
+integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
+population_count pow real reduce_precision rem round rsqrt select_n shift_left
+shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh
+xor convert_element_type threefry2x32 random_wrap random_unwrap
+""".split())
+
+# How partial results of a reduction are combined (all are an all-reduce in HLO).
+_REDUCE_KIND = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
+                "reduce_prod": "prod", "reduce_and": "and", "reduce_or": "or",
+                "reduce_xor": "xor"}
+_CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+
+
+@dataclasses.dataclass(frozen=True)
+class DimLabels:
+    """An operator as an einsum over labelled dimensions.
+
+    operands: per operand, a label per dimension, or None for an operand with no tensor
+      (a literal) or one that must stay replicated.
+    outputs: per result, a label per dimension.
+    sizes: label -> dimension size.
+    fixed: labels that may not be split.
+    reduce_kind: how partial results combine if a reduced label is split ("sum", "max", ...),
+      or None if reduced labels may not be split.
+    """
+    operands: tuple[tuple[int, ...] | None, ...]
+    outputs: tuple[tuple[int, ...], ...]
+    sizes: Mapping[int, int]
+    fixed: frozenset[int] = frozenset()
+    reduce_kind: str | None = "sum"
+
+    @property
+    def reduced(self) -> frozenset[int]:
+        out = {l for o in self.outputs for l in o}
+        return frozenset(l for op in self.operands if op for l in op if l not in out)
+
+
+class _Labeler:
+    def __init__(self):
+        self.sizes: dict[int, int] = {}
+
+    def new(self, size: int) -> int:
+        label = len(self.sizes)
+        self.sizes[label] = int(size)
+        return label
+
+    def fresh(self, shape: Sequence[int]) -> tuple[int, ...]:
+        return tuple(self.new(s) for s in shape)
+
+
+def dim_labels(primitive: str, params: Mapping[str, Any], in_shapes: Sequence[tuple | None],
+               out_shapes: Sequence[tuple]) -> DimLabels | None:
+    """The labelled-dimension description of one equation, or None if there is no rule.
+
+    `in_shapes` has None for literal operands.
+    """
+    L = _Labeler()
+    fn = _RULES.get(primitive)
+    if fn is None and primitive in ELEMENTWISE:
+        fn = _elementwise
+    if fn is None and primitive in _REDUCE_KIND:
+        fn = _reduce
+    if fn is None and primitive in _CUMULATIVE:
+        fn = _cumulative
+    if fn is None:
+        return None
+    return fn(L, primitive, params, list(in_shapes), list(out_shapes))
+
+
+def _elementwise(L, prim, params, ins, outs):
+    shape = outs[0]
+    if any(o != shape for o in outs):
+        return None
+    labels = L.fresh(shape)
+    operands = []
+    for s in ins:
+        if s is None or len(s) == 0:
+            operands.append(None)
+        elif tuple(s) == tuple(shape):
+            operands.append(labels)
+        else:
+            return None
+    return DimLabels(tuple(operands), (labels,) * len(outs), L.sizes)
+
+
+def _reduce(L, prim, params, ins, outs):
+    axes = set(params["axes"])
+    labels = L.fresh(ins[0])
+    out = tuple(l for d, l in enumerate(labels) if d not in axes)
+    return DimLabels((labels,), (out,), L.sizes, reduce_kind=_REDUCE_KIND[prim])
+
+
+def _argminmax(L, prim, params, ins, outs):
+    axes = set(params["axes"])
+    labels = L.fresh(ins[0])
+    out = tuple(l for d, l in enumerate(labels) if d not in axes)
+    fixed = frozenset(labels[d] for d in axes)
+    return DimLabels((labels,), (out,), L.sizes, fixed=fixed, reduce_kind=None)
+
+
+def _cumulative(L, prim, params, ins, outs):
+    labels = L.fresh(ins[0])
+    return DimLabels((labels,), (labels,), L.sizes, fixed=frozenset({labels[params["axis"]]}))
+
+
+def _dot_general(L, prim, params, ins, outs):
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs, rhs = ins
+    if lhs is None or rhs is None:
+        return None
+    ll: list[int | None] = [None] * len(lhs)
+    rl: list[int | None] = [None] * len(rhs)
+    batch = []
+    for a, b in zip(lb, rb):
+        ll[a] = rl[b] = L.new(lhs[a])
+        batch.append(ll[a])
+    for a, b in zip(lc, rc):
+        ll[a] = rl[b] = L.new(lhs[a])
+    lfree = [d for d in range(len(lhs)) if ll[d] is None]
+    rfree = [d for d in range(len(rhs)) if rl[d] is None]
+    for d in lfree:
+        ll[d] = L.new(lhs[d])
+    for d in rfree:
+        rl[d] = L.new(rhs[d])
+    out = tuple(batch) + tuple(ll[d] for d in lfree) + tuple(rl[d] for d in rfree)
+    return DimLabels((tuple(ll), tuple(rl)), (out,), L.sizes)
+
+
+def _conv(L, prim, params, ins, outs):
+    lhs, rhs = ins
+    if lhs is None or rhs is None:
+        return None
+    dn = params["dimension_numbers"]
+    if params.get("feature_group_count", 1) != 1 or params.get("batch_group_count", 1) != 1:
+        return None
+    ll = list(L.fresh(lhs))
+    rl = list(L.fresh(rhs))
+    ol = list(L.fresh(outs[0]))
+    n, c = dn.lhs_spec[0], dn.lhs_spec[1]
+    o, i = dn.rhs_spec[0], dn.rhs_spec[1]
+    on, oc = dn.out_spec[0], dn.out_spec[1]
+    ol[on] = ll[n]
+    ol[oc] = rl[o]
+    rl[i] = ll[c]
+    fixed = {ll[d] for d in dn.lhs_spec[2:]} | {rl[d] for d in dn.rhs_spec[2:]} \
+        | {ol[d] for d in dn.out_spec[2:]}
+    return DimLabels((tuple(ll), tuple(rl)), (tuple(ol),), L.sizes, fixed=frozenset(fixed))
+
+
+def _broadcast_in_dim(L, prim, params, ins, outs):
+    out = list(L.fresh(outs[0]))
+    if ins[0] is None or len(ins[0]) == 0:
+        return DimLabels((None,) * len(ins), (tuple(out),), L.sizes)
+    op = []
+    for d, od in enumerate(params["broadcast_dimensions"]):
+        if ins[0][d] == outs[0][od]:
+            op.append(out[od])
+        else:
+            op.append(L.new(ins[0][d]))
+    return DimLabels((tuple(op),) + (None,) * (len(ins) - 1), (tuple(out),), L.sizes)
+
+
+def _transpose(L, prim, params, ins, outs):
+    labels = L.fresh(ins[0])
+    return DimLabels((labels,), (tuple(labels[p] for p in params["permutation"]),), L.sizes)
+
+
+def _reshape_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
+    """Splits two shapes into runs of dimensions with equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [], []
+        pi = pj = 1
+        if i < len(src):
+            gi.append(i); pi *= src[i]; i += 1
+        if j < len(dst):
+            gj.append(j); pj *= dst[j]; j += 1
+        while pi != pj:
+            if pi < pj and i < len(src):
+                gi.append(i); pi *= src[i]; i += 1
+            elif pj < pi and j < len(dst):
+                gj.append(j); pj *= dst[j]; j += 1
+            else:
+                return None
+        # Absorb trailing size-1 dims into this group.
+        groups.append((gi, gj))
+    return groups
+
+
+def _reshape(L, prim, params, ins, outs):
+    if params.get("dimensions") not in (None, ()):
+        return None
+    src, dst = tuple(ins[0]), tuple(outs[0])
+    groups = _reshape_groups(src, dst)
+    if groups is None:
+        return None
+    il: list[int] = [0] * len(src)
+    ol: list[int] = [0] * len(dst)
+    fixed = set()
+    for gi, gj in groups:
+        # Only the most-major non-trivial dimension of a group carries a split: a block
+        # split of the major dim of [A*B] is a block split of A.
+        mi = next((d for d in gi if src[d] > 1), gi[0] if gi else None)
+        mj = next((d for d in gj if dst[d] > 1), gj[0] if gj else None)
+        shared = None
+        if mi is not None and mj is not None:
+            shared = L.new(math.gcd(src[mi], dst[mj]))
+        for d in gi:
+            if d == mi and shared is not None:
+                il[d] = shared
+            else:
+                il[d] = L.new(src[d]); fixed.add(il[d])
+        for d in gj:
+            if d == mj and shared is not None:
+                ol[d] = shared
+            else:
+                ol[d] = L.new(dst[d]); fixed.add(ol[d])
+    return DimLabels((tuple(il),) + (None,) * (len(ins) - 1), (tuple(ol),), L.sizes,
+                     fixed=frozenset(fixed))
+
+
+def _squeeze(L, prim, params, ins, outs):
+    labels = L.fresh(ins[0])
+    drop = {d % len(ins[0]) for d in params["dimensions"]}
+    return DimLabels((labels,), (tuple(l for d, l in enumerate(labels) if d not in drop),),
+                     L.sizes)
+
+
+def _same_rank_with_fixed(fixed_dims_fn):
+    def rule(L, prim, params, ins, outs):
+        labels = L.fresh(outs[0])
+        fixed_dims = fixed_dims_fn(params, ins, outs)
+        operands = []
+        for s in ins:
+            if s is None or len(s) != len(outs[0]):
+                operands.append(None)
+            else:
+                operands.append(tuple(labels[d] if s[d] == outs[0][d] or d in fixed_dims
+                                      else L.new(s[d]) for d in range(len(s))))
+        fixed = {labels[d] for d in fixed_dims}
+        for op in operands:
+            if op:
+                fixed |= {l for d, l in enumerate(op) if l not in labels}
+        return DimLabels(tuple(operands), (labels,) * len(outs), L.sizes,
+                         fixed=frozenset(fixed), reduce_kind=None)
+    return rule
+
+
+def _slice_fixed(params, ins, outs):
+    return {d for d in range(len(outs[0])) if ins[0][d] != outs[0][d]}
+
+
+def _concat_fixed(params, ins, outs):
+    return {params["dimension"]}
+
+
+def _pad_fixed(params, ins, outs):
+    return {d for d, cfg in enumerate(params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
+
+
+def _dus_fixed(params, ins, outs):
+    return {d for d in range(len(outs[0])) if ins[1][d] != outs[0][d]}
+
+
+def _dims_param_fixed(key):
+    def fn(params, ins, outs):
+        v = params[key]
+        return set(v) if isinstance(v, (tuple, list)) else {v}
+    return fn
+
+
+def _iota(L, prim, params, ins, outs):
+    return DimLabels((), (L.fresh(outs[0]),), L.sizes)
+
+
+def _gather(L, prim, params, ins, outs):
+    operand, indices = ins
+    dn = params["dimension_numbers"]
+    if operand is None or indices is None or getattr(dn, "operand_batching_dims", ()):
+        return None
+    out = list(L.fresh(outs[0]))
+    ol = list(L.fresh(operand))
+    il = list(L.fresh(indices))
+    offset_dims = list(dn.offset_dims)
+    batch_out = [d for d in range(len(outs[0])) if d not in offset_dims]
+    idx_dims = [d for d in range(len(indices)) if d != len(indices) - 1] \
+        if len(indices) == len(batch_out) + 1 else list(range(len(indices)))
+    if len(idx_dims) != len(batch_out):
+        return None
+    for od, idd in zip(batch_out, idx_dims):
+        il[idd] = out[od]
+    fixed = {il[d] for d in range(len(indices)) if d not in idx_dims}
+    window = [d for d in range(len(operand)) if d not in dn.collapsed_slice_dims]
+    slice_sizes = params["slice_sizes"]
+    for od, wd in zip(offset_dims, window):
+        if slice_sizes[wd] == operand[wd] and wd not in dn.start_index_map:
+            ol[wd] = out[od]
+        else:
+            fixed.add(out[od])
+    fixed |= {ol[d] for d in range(len(operand)) if ol[d] not in out}
+    return DimLabels((tuple(ol), tuple(il)), (tuple(out),), L.sizes, fixed=frozenset(fixed),
+                     reduce_kind=None)
+
+
+def _scatter(L, prim, params, ins, outs):
+    operand, indices, updates = ins[0], ins[1], ins[2]
+    dn = params["dimension_numbers"]
+    if None in (operand, indices, updates) or getattr(dn, "operand_batching_dims", ()):
+        return None
+    out = L.fresh(outs[0])
+    ul = list(L.fresh(updates))
+    il = list(L.fresh(indices))
+    window = list(dn.update_window_dims)
+    scatter_dims = [d for d in range(len(updates)) if d not in window]
+    idx_dims = [d for d in range(len(indices)) if d != len(indices) - 1] \
+        if len(indices) == len(scatter_dims) + 1 else list(range(len(indices)))
+    if len(idx_dims) != len(scatter_dims):
+        return None
+    for ud, idd in zip(scatter_dims, idx_dims):
+        il[idd] = ul[ud]
+    fixed = {il[d] for d in range(len(indices)) if d not in idx_dims}
+    op_window = [d for d in range(len(operand)) if d not in dn.inserted_window_dims]
+    for ud, od in zip(window, op_window):
+        if updates[ud] == operand[od] and od not in dn.scatter_dims_to_operand_dims:
+            ul[ud] = out[od]
+        else:
+            fixed.add(ul[ud])
+    fixed |= {out[d] for d in dn.scatter_dims_to_operand_dims}
+    is_add = prim in ("scatter-add", "scatter_add")
+    if not is_add:
+        fixed |= {ul[d] for d in scatter_dims}
+    return DimLabels((out, tuple(il), tuple(ul)), (out,), L.sizes, fixed=frozenset(fixed),
+                     reduce_kind="sum" if is_add else None)
+
+
+_RULES = {
+    "dot_general": _dot_general,
+    "conv_general_dilated": _conv,
+    "broadcast_in_dim": _broadcast_in_dim,
+    "transpose": _transpose,
+    "reshape": _reshape,
+    "squeeze": _squeeze,
+    "argmax": _argminmax,
+    "argmin": _argminmax,
+    "iota": _iota,
+    "slice": _same_rank_with_fixed(_slice_fixed),
+    "dynamic_slice": _same_rank_with_fixed(_slice_fixed),
+    "dynamic_update_slice": _same_rank_with_fixed(_dus_fixed),
+    "concatenate": _same_rank_with_fixed(_concat_fixed),
+    "pad": _same_rank_with_fixed(_pad_fixed),
+    "rev": _same_rank_with_fixed(_dims_param_fixed("dimensions")),
+    "sort": _same_rank_with_fixed(_dims_param_fixed("dimension")),
+    "split": _same_rank_with_fixed(_dims_param_fixed("axis")),
+    "gather": _gather,
+    "scatter-add": _scatter,
+    "scatter_add": _scatter,
+    "scatter": _scatter,
+}
+
+
+def enumerate_assignments(labels: DimLabels, axes: Sequence[tuple[str, int]]
+                          ) -> list[dict[int, tuple[str, ...]]]:
+    """Every valid map label -> mesh axes (outermost first), one entry per strategy.
+
+    Each mesh axis goes to at most one label; a label's size must be divisible by the
+    product of its axes; fixed labels get none; reduced labels only if partial results
+    can be combined.
+    """
+    candidates = sorted(l for l in labels.sizes if l not in labels.fixed)
+    candidates = [l for l in candidates
+                  if labels.reduce_kind is not None or l not in labels.reduced]
+    used = {l for op in labels.operands if op for l in op} | {l for o in labels.outputs for l in o}
+    candidates = [l for l in candidates if l in used]
+    result = []
+    for choice in itertools.product([None] + candidates, repeat=len(axes)):
+        assign: dict[int, list[str]] = {}
+        for (name, _), label in zip(axes, choice):
+            if label is not None:
+                assign.setdefault(label, []).append(name)
+        ok = True
+        for label, names in assign.items():
+            n = math.prod(size for name, size in axes if name in names)
+            if labels.sizes[label] % n:
+                ok = False
+                break
+        if ok:
+            result.append({l: tuple(v) for l, v in assign.items()})
+    return result

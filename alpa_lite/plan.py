@@ -1,0 +1,214 @@
+"""The Plan: the single record the runtime executes, the CLI shows and the tests assert on.
+
+A `Plan` is frozen and round-trips through JSON byte for byte (planning statistics such as
+solver wall time are kept beside it in `stats`, which is not serialised, so the same inputs
+always give the same JSON). Tensor ids in a stage refer to the traced program whose
+fingerprint the plan carries; the runtime refuses a plan whose fingerprint, argument
+signature or cluster differ from what it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from alpa_lite.errors import PlanMismatchError
+from alpa_lite.sharding import TensorSpec
+
+PLAN_FORMAT = "alpa_lite.plan/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSummary:
+    """Collectives of one kind over one set of mesh axes with one per-device size."""
+    kind: str               # HLO name: all-reduce, all-gather, all-to-all, ...
+    axes: tuple[str, ...]
+    nbytes: int             # per device, per op (see alpa_lite.sharding for the convention)
+    count: int
+    time_s: float           # all `count` ops together
+
+    @property
+    def total_bytes(self) -> int:
+        return self.nbytes * self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """One SPMD stage: a logical mesh over a set of devices, and every sharding on it."""
+    devices: tuple[int, ...]                 # cluster device indices, row-major over the mesh
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    shardings: tuple[tuple[str, TensorSpec], ...]   # the readable table: name -> spec
+    collectives: tuple[CollectiveSummary, ...]
+    compute_s: float
+    comm_s: float
+    total_s: float
+    peak_memory_bytes: float
+    # What the runtime applies (tensor and node ids of the traced program):
+    input_specs: tuple[TensorSpec, ...]              # per flattened argument leaf
+    output_specs: tuple[TensorSpec, ...]             # per flattened result leaf
+    tensor_specs: tuple[tuple[int, TensorSpec], ...]           # op results to constrain
+    operand_specs: tuple[tuple[int, int, TensorSpec], ...]     # (node, operand, spec) reshards
+
+    def sharding_of(self, name: str) -> TensorSpec:
+        for n, spec in self.shardings:
+            if n == name:
+                return spec
+        raise KeyError(f"no tensor named {name!r} in the plan; known: "
+                       f"{[n for n, _ in self.shardings][:20]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanningStats:
+    """How the plan was found (not serialised: it varies run to run)."""
+    trace_s: float = 0.0
+    build_s: float = 0.0
+    solve_s: float = 0.0
+    nodes_before_merge: int = 0
+    nodes_after_merge: int = 0
+    ilp_variables: int = 0
+    ilp_constraints: int = 0
+    candidates: tuple[tuple[str, float], ...] = ()   # (mesh shape, estimated step s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A complete parallelization plan for one program on one cluster."""
+    method: str
+    cluster_name: str
+    cluster_fingerprint: str
+    program_fingerprint: str
+    input_signature: tuple[tuple[tuple[int, ...], str], ...]
+    stages: tuple[StagePlan, ...]
+    unsharded_primitives: tuple[str, ...] = ()
+    stats: PlanningStats = dataclasses.field(default_factory=PlanningStats, compare=False)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(s.compute_s for s in self.stages)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(s.comm_s for s in self.stages)
+
+    @property
+    def step_time_s(self) -> float:
+        return sum(s.total_s for s in self.stages)
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(s.peak_memory_bytes for s in self.stages)
+
+    def collectives(self) -> tuple[CollectiveSummary, ...]:
+        return tuple(c for s in self.stages for c in s.collectives)
+
+    def check_matches(self, cluster_fingerprint: str, program_fingerprint: str,
+                      input_signature) -> None:
+        """Raises PlanMismatchError if this plan was made for something else."""
+        if cluster_fingerprint != self.cluster_fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for cluster {self.cluster_name!r} (fingerprint "
+                f"{self.cluster_fingerprint}) but the step runs on a cluster with fingerprint "
+                f"{cluster_fingerprint}; plan again for this cluster")
+        if tuple(input_signature) != self.input_signature:
+            diffs = [f"arg leaf {i}: plan {a} vs now {b}" for i, (a, b) in
+                     enumerate(zip(self.input_signature, input_signature)) if a != b]
+            if len(input_signature) != len(self.input_signature):
+                diffs.insert(0, f"plan has {len(self.input_signature)} argument leaves, "
+                                f"the call has {len(input_signature)}")
+            raise PlanMismatchError("this plan was made for other argument shapes: "
+                                    + "; ".join(diffs[:5]) + ". Plan again for these arguments")
+        if program_fingerprint != self.program_fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for a different program (fingerprint "
+                f"{self.program_fingerprint}, now {program_fingerprint}); plan again")
+
+    # ---- JSON ---------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(_plan_to_obj(self), sort_keys=True, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan JSON is malformed: {e}") from None
+        if not isinstance(obj, dict) or obj.get("format") != PLAN_FORMAT:
+            got = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
+            raise ValueError(f"not an alpa_lite plan: expected format {PLAN_FORMAT!r}, got "
+                             f"{got!r}; re-plan with this alpa_lite version")
+        try:
+            return _plan_from_obj(obj)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"plan JSON is malformed: {type(e).__name__}: {e}") from None
+
+    # ---- text ---------------------------------------------------------------------------
+
+    def summary(self, max_rows: int = 40) -> str:
+        from alpa_lite.plan_text import plan_summary
+        return plan_summary(self, max_rows=max_rows)
+
+
+def _stage_to_obj(s: StagePlan) -> dict[str, Any]:
+    return {
+        "devices": list(s.devices),
+        "mesh_shape": list(s.mesh_shape),
+        "axis_names": list(s.axis_names),
+        "shardings": [[n, spec.to_json()] for n, spec in s.shardings],
+        "collectives": [dataclasses.asdict(c) | {"axes": list(c.axes)} for c in s.collectives],
+        "compute_s": s.compute_s, "comm_s": s.comm_s, "total_s": s.total_s,
+        "peak_memory_bytes": s.peak_memory_bytes,
+        "input_specs": [x.to_json() for x in s.input_specs],
+        "output_specs": [x.to_json() for x in s.output_specs],
+        "tensor_specs": [[t, x.to_json()] for t, x in s.tensor_specs],
+        "operand_specs": [[n, p, x.to_json()] for n, p, x in s.operand_specs],
+    }
+
+
+def _stage_from_obj(o: dict[str, Any]) -> StagePlan:
+    spec = TensorSpec.from_json
+    return StagePlan(
+        devices=tuple(int(d) for d in o["devices"]),
+        mesh_shape=tuple(int(d) for d in o["mesh_shape"]),
+        axis_names=tuple(str(a) for a in o["axis_names"]),
+        shardings=tuple((str(n), spec(x)) for n, x in o["shardings"]),
+        collectives=tuple(CollectiveSummary(str(c["kind"]), tuple(c["axes"]), int(c["nbytes"]),
+                                            int(c["count"]), float(c["time_s"]))
+                          for c in o["collectives"]),
+        compute_s=float(o["compute_s"]), comm_s=float(o["comm_s"]),
+        total_s=float(o["total_s"]), peak_memory_bytes=float(o["peak_memory_bytes"]),
+        input_specs=tuple(spec(x) for x in o["input_specs"]),
+        output_specs=tuple(spec(x) for x in o["output_specs"]),
+        tensor_specs=tuple((int(t), spec(x)) for t, x in o["tensor_specs"]),
+        operand_specs=tuple((int(n), int(p), spec(x)) for n, p, x in o["operand_specs"]),
+    )
+
+
+def _plan_to_obj(p: Plan) -> dict[str, Any]:
+    return {
+        "format": PLAN_FORMAT,
+        "method": p.method,
+        "cluster_name": p.cluster_name,
+        "cluster_fingerprint": p.cluster_fingerprint,
+        "program_fingerprint": p.program_fingerprint,
+        "input_signature": [[list(s), d] for s, d in p.input_signature],
+        "stages": [_stage_to_obj(s) for s in p.stages],
+        "unsharded_primitives": list(p.unsharded_primitives),
+    }
+
+
+def _plan_from_obj(o: dict[str, Any]) -> Plan:
+    expected = {"format", "method", "cluster_name", "cluster_fingerprint",
+                "program_fingerprint", "input_signature", "stages", "unsharded_primitives"}
+    if set(o) != expected:
+        raise ValueError(f"unexpected keys {sorted(set(o) - expected)}, missing "
+                         f"{sorted(expected - set(o))}")
+    return Plan(
+        method=str(o["method"]), cluster_name=str(o["cluster_name"]),
+        cluster_fingerprint=str(o["cluster_fingerprint"]),
+        program_fingerprint=str(o["program_fingerprint"]),
+        input_signature=tuple((tuple(int(d) for d in s), str(t)) for s, t in o["input_signature"]),
+        stages=tuple(_stage_from_obj(s) for s in o["stages"]),
+        unsharded_primitives=tuple(o["unsharded_primitives"]))

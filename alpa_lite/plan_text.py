@@ -1,0 +1,58 @@
+"""`Plan.summary()`: the plan as text a person can read (tables drawn by rich)."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def plan_summary(plan, max_rows: int = 40) -> str:
+    """Renders the plan: header, per stage the sharding table and the collectives."""
+    buf = io.StringIO()
+    console = Console(file=buf, width=110, force_terminal=False, color_system=None)
+    console.print(f"alpa_lite plan  method={plan.method}  cluster={plan.cluster_name}")
+    console.print(f"estimated step {_fmt_time(plan.step_time_s)} = compute "
+                  f"{_fmt_time(plan.compute_s)} + communication {_fmt_time(plan.comm_s)}; "
+                  f"peak memory {_fmt_bytes(plan.peak_memory_bytes)} per device")
+    if plan.unsharded_primitives:
+        console.print("replicated (no sharding rule): " + ", ".join(plan.unsharded_primitives))
+    for i, st in enumerate(plan.stages):
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(st.axis_names, st.mesh_shape))
+        console.print(f"\nstage {i}: devices {st.devices[0]}..{st.devices[-1]}  mesh {mesh}")
+        table = Table(title=None, show_edge=False)
+        table.add_column("tensor")
+        table.add_column("sharding")
+        for name, spec in st.shardings[:max_rows]:
+            table.add_row(escape(name), escape(str(spec)))
+        if len(st.shardings) > max_rows:
+            table.add_row(f"... {len(st.shardings) - max_rows} more", "")
+        console.print(table)
+        coll = Table(show_edge=False)
+        for col in ("collective", "mesh axes", "bytes/op", "count", "time"):
+            coll.add_column(col)
+        for c in st.collectives:
+            coll.add_row(c.kind, ",".join(c.axes), _fmt_bytes(c.nbytes), str(c.count),
+                         _fmt_time(c.time_s))
+        if not st.collectives:
+            coll.add_row("(none)", "", "", "", "")
+        console.print(coll)
+    return buf.getvalue()

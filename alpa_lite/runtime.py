@@ -1,0 +1,97 @@
+"""The runtime: executes a `StagePlan` on JAX devices.
+
+The traced program is replayed equation by equation inside one `jax.jit` over the stage's
+`Mesh`: arguments and results carry the plan's `NamedSharding`s, every operator result is
+pinned with `with_sharding_constraint` to the plan's spec, and an operand the plan reshards
+before an operator is pinned to the spec the operator wants. The partitioner (Shardy) then
+inserts exactly the collectives those specs imply. The runtime knows nothing of how the plan
+was found.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from alpa_lite.plan import Plan, StagePlan
+from alpa_lite.sharding import TensorSpec
+from alpa_lite.tracing import TracedStep
+
+
+def partition_spec(spec: TensorSpec) -> PartitionSpec:
+    return PartitionSpec(*[None if not d else d[0] if len(d) == 1 else tuple(d)
+                           for d in spec.dims])
+
+
+class StageExecutable:
+    """One compiled SPMD stage: call it with the flattened argument leaves."""
+
+    def __init__(self, traced: TracedStep, stage: StagePlan, devices: Sequence[Any]):
+        self.traced = traced
+        self.stage = stage
+        picked = [devices[i] for i in stage.devices]
+        self.mesh = Mesh(np.array(picked, dtype=object).reshape(stage.mesh_shape),
+                         stage.axis_names)
+        ns = lambda spec: NamedSharding(self.mesh, partition_spec(spec))
+        self.in_shardings = tuple(ns(s) for s in stage.input_specs)
+        self.out_shardings = tuple(ns(s) for s in stage.output_specs)
+        self._tensor = {t: ns(s) for t, s in stage.tensor_specs if s.rank}
+        self._operand = {(n, p): ns(s) for n, p, s in stage.operand_specs if s.rank}
+        self._jitted = jax.jit(self._replay, in_shardings=self.in_shardings,
+                               out_shardings=self.out_shardings)
+
+    def _replay(self, *flat_args):
+        tr = self.traced
+        g = tr.graph
+        wsc = jax.lax.with_sharding_constraint
+        env: dict[int, Any] = dict(zip(g.inputs, flat_args))
+        env.update(tr.consts)
+        for node, prim in zip(g.nodes, tr.primitives):
+            args = []
+            for pos, t in enumerate(node.inputs):
+                x = tr.literals[(node.id, pos)] if t is None else env[t]
+                s = self._operand.get((node.id, pos))
+                args.append(x if s is None else wsc(x, s))
+            outs = prim.bind(*args, **prim.get_bind_params(dict(node.params)))
+            if not prim.multiple_results:
+                outs = [outs]
+            for t, o in zip(node.outputs, outs):
+                s = self._tensor.get(t)
+                env[t] = o if s is None else wsc(o, s)
+        return tuple(env[t] for t in g.outputs)
+
+    def put_args(self, flat_args: Sequence[Any]) -> list[Any]:
+        return [jax.device_put(x, s) for x, s in zip(flat_args, self.in_shardings)]
+
+    def __call__(self, flat_args: Sequence[Any]) -> tuple[Any, ...]:
+        return self._jitted(*self.put_args(flat_args))
+
+    def compiled_text(self, flat_args: Sequence[Any]) -> str:
+        """The partitioned HLO XLA compiles for these arguments (abstract ones work)."""
+        avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+                 for x, s in zip(flat_args, self.in_shardings)]
+        return self._jitted.lower(*avals).compile().as_text()
+
+
+class Executable:
+    """A plan made runnable: call with the step's positional arguments."""
+
+    def __init__(self, traced: TracedStep, plan: Plan, devices: Sequence[Any]):
+        if len(plan.stages) != 1:
+            raise NotImplementedError(
+                f"this plan has {len(plan.stages)} pipeline stages; the pipeline runtime is "
+                "not part of this version of alpa_lite, so only single-stage plans run")
+        self.traced = traced
+        self.plan = plan
+        self.stage = StageExecutable(traced, plan.stages[0], devices)
+
+    def __call__(self, *args):
+        flat = jax.tree_util.tree_leaves(args)
+        outs = self.stage(flat)
+        return jax.tree_util.tree_unflatten(self.traced.out_tree, outs)
+
+    def compiled_text(self, *args) -> str:
+        return self.stage.compiled_text(jax.tree_util.tree_leaves(args))

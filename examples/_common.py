@@ -1,0 +1,173 @@
+"""The command line every example shares: build a model, parallelize its train step, run it.
+
+Each example module (mlp, gpt, moe, wide_resnet, flax_mlp) defines the model and a plain
+JAX + optax train step; its `main` hands the module to `run_example`, which does the rest:
+
+    python examples/gpt.py                               # tiny GPT, auto plan, 5 steps on CPU
+    python examples/gpt.py --method manual --dp 4 --tp 2
+    python examples/gpt.py --size 6.7B --plan-only --cluster NAME   # plan only, nothing allocated
+
+Without --plan-only the steps run on the devices JAX sees: by default 8 virtual CPU devices
+(XLA_FLAGS below), so the multi-device plans can be tried on a laptop.
+"""
+
+from __future__ import annotations
+
+import os
+
+# 8 virtual CPU devices unless the caller chose otherwise. Must happen before jax is imported.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse
+import math
+import pathlib
+import time
+from types import ModuleType
+from typing import Any, Sequence
+
+import jax
+import optax
+
+import alpa_lite as al
+
+# -----------------------------------------------------------------------------
+# knobs (each one can be overridden on the command line)
+DEFAULT_SIZE = "tiny"       # a key of the module's CONFIGS
+DEFAULT_STEPS = 5           # train steps to run (ignored with --plan-only)
+DEFAULT_METHOD = "auto"     # auto: Alpa's inter-op DP + intra-op ILP; dp: data parallel; manual: --dp x --tp
+DEFAULT_OPTIMIZER = "adamw"
+DEFAULT_LR = 1e-3           # adamw's default in optax; sgd may want a larger one
+DEFAULT_SEED = 0
+# -----------------------------------------------------------------------------
+
+
+def example_name(module: ModuleType) -> str:
+    """'gpt' for examples/gpt.py, also when it runs as __main__."""
+    return pathlib.Path(module.__file__).stem
+
+
+def count_params(params: Any) -> int:
+    """Number of scalars in a pytree of arrays or `jax.ShapeDtypeStruct`s."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(params))
+
+
+def format_count(n: int) -> str:
+    """12_345_678 -> '12.35M'."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def make_optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
+    """The optax optimizer a user would pick: AdamW (the default) or plain SGD."""
+    if name == "adamw":
+        return optax.adamw(learning_rate)
+    if name == "sgd":
+        return optax.sgd(learning_rate)
+    raise ValueError(f"unknown optimizer {name!r}; expected 'adamw' or 'sgd'")
+
+
+def build_parser(module: ModuleType) -> argparse.ArgumentParser:
+    """Arguments shared by every example; `module.CONFIGS` supplies the --size choices."""
+    doc = (module.__doc__ or "").strip()
+    parser = argparse.ArgumentParser(prog=f"examples/{example_name(module)}.py",
+                                     description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--size", default=DEFAULT_SIZE, choices=sorted(module.CONFIGS),
+                        help="named model size (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                        help="train steps to run (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="global batch size (default: the size's Config.batch_size)")
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=("auto", "dp", "manual"),
+                        help="auto: search the plan; dp: data parallel; manual: --dp x --tp "
+                             "(default: %(default)s)")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="data-parallel degree for --method manual "
+                             "(default: number of devices // --tp)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor (operator) parallel degree for --method manual "
+                             "(default: %(default)s)")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="plan with abstract arguments (jax.ShapeDtypeStruct); "
+                             "allocate nothing and run nothing")
+    parser.add_argument("--cluster", default=None, metavar="NAME",
+                        help="cluster preset to plan for (with --plan-only); "
+                             "default: the devices JAX sees")
+    parser.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=("adamw", "sgd"),
+                        help="optax optimizer (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR,
+                        help="learning rate (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                        help="PRNG seed for parameters and the synthetic batch")
+    return parser
+
+
+def parse_args(module: ModuleType, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses and cross-checks the command line (errors exit with a usage message)."""
+    parser = build_parser(module)
+    args = parser.parse_args(argv)
+    if args.cluster is not None and not args.plan_only:
+        parser.error("--cluster names a cluster to plan for; it needs --plan-only "
+                     "(a run uses the devices JAX sees)")
+    if args.method != "manual" and (args.dp is not None or args.tp != 1):
+        parser.error(f"--dp/--tp set the mesh of --method manual, not --method {args.method}")
+    if args.tp < 1 or (args.dp is not None and args.dp < 1):
+        parser.error(f"--dp and --tp must be >= 1, got --dp {args.dp} --tp {args.tp}")
+    if args.method == "manual" and args.dp is None and args.cluster is not None:
+        parser.error("--method manual with --cluster needs an explicit --dp "
+                     "(the default, devices // tp, counts the local devices)")
+    if args.steps < 0:
+        parser.error(f"--steps must be >= 0, got {args.steps}")
+    return args
+
+
+def make_method(args: argparse.Namespace) -> Any:
+    """The `alpa_lite` parallelization method the command line asks for."""
+    if args.method == "auto":
+        return al.Auto()
+    if args.method == "dp":
+        return al.DataParallel()
+    dp = args.dp if args.dp is not None else max(1, jax.device_count() // args.tp)
+    return al.Manual(dp=dp, tp=args.tp)
+
+
+def run_example(module: ModuleType, argv: Sequence[str] | None = None) -> None:
+    """The `main` of every example: parse flags, parallelize the step, plan, then train.
+
+    Args:
+      module: an example module exposing Config/CONFIGS/init_params/abstract_params/
+        make_batch/abstract_batch/loss_fn/make_train_step/abstract_args.
+      argv: command-line arguments without the program name (None: sys.argv[1:]).
+    """
+    args = parse_args(module, argv)
+    cfg = module.CONFIGS[args.size]
+    batch_size = args.batch_size or cfg.batch_size
+    tx = make_optimizer(args.optimizer, args.lr)
+
+    # The only alpa_lite call in a training script: wrap the plain train step.
+    step = al.parallelize(module.make_train_step(cfg, tx), method=make_method(args))
+
+    if args.plan_only:
+        params, opt_state, batch = module.abstract_args(cfg, batch_size, tx)
+        print(f"{example_name(module)} {args.size}: {format_count(count_params(params))} parameters, "
+              f"batch {batch_size}, dtype {cfg.dtype} (abstract, nothing allocated)")
+        cluster = al.Cluster.preset(args.cluster) if args.cluster else None
+        plan = step.plan(params, opt_state, batch, cluster=cluster)
+        print(plan.summary())
+        return
+
+    params_key, batch_key = jax.random.split(jax.random.key(args.seed))
+    params = module.init_params(cfg, params_key)
+    opt_state = tx.init(params)
+    # One synthetic batch, reused every step: the loss falling shows the step learns.
+    batch = module.make_batch(cfg, batch_size, batch_key)
+    print(f"{example_name(module)} {args.size}: {format_count(count_params(params))} parameters, "
+          f"batch {batch_size}, dtype {cfg.dtype}, {jax.device_count()} devices")
+    print(step.plan(params, opt_state, batch).summary())
+
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, batch)
+        loss = float(loss)  # blocks until the step is done
+        print(f"step {i}  loss {loss:.4f}  ({time.perf_counter() - t0:.2f} s)")

@@ -1,0 +1,1024 @@
+"""Intra-op sharding ILP: choose one sharding strategy per node (Alpa paper, §4.2).
+
+Each decision node ``v`` (a heavy op or a group of ops sharing one variable) has ``n_v``
+strategies; exactly one is chosen. Costs are plain numbers produced elsewhere (the cost
+models); this module knows nothing of JAX.
+
+The problem the caller states (``ShardingProblem``)
+---------------------------------------------------
+::
+
+    minimise    Σ_v c_v·x_v                      node term: compute + the collectives a strategy implies
+              + Σ_(u,v)∈E x_uᵀ C_uv x_v          edge term: resharding between producer and consumer
+    subject to  x_v ∈ {0,1}^{n_v},  Σ_s x_v[s] = 1     for every node v        (one strategy each)
+                Σ_v m_v·x_v ≤ B                         only if a budget B is given (bytes per device)
+
+``c_v`` and ``C_uv`` are in seconds and non-negative, ``m_v`` in bytes. ``evaluate`` computes the
+three quantities of a given choice in numpy; ``brute_force`` enumerates every choice (tests).
+
+Presolve (every step is exact: some optimal solution survives it)  → ``_presolve``
+------------------------------------------------------------------------------------
+P1  Parallel and reversed edges between one pair are summed into one
+    (a reversed edge is transposed first).                           → ``_merge_parallel_edges``
+P2  Reparameterisation: the minimum of each row of ``C_uv`` moves into ``c_u`` and then the
+    minimum of each column into ``c_v``. Since Σ_t x_v[t] = 1 this changes no assignment's
+    cost, makes every edge zero where resharding is cheapest, and deletes edges that become
+    all zero.                                                         → ``_move_edge_minima_into_nodes``
+P3  A node left with one strategy is a constant: each incident edge's row/column for that
+    strategy is added to the neighbour's node costs, and the node leaves the model.
+                                                                      → ``_fold_fixed_node``
+P4  Dominated strategies (dead-end elimination, Goldstein criterion). Strategy s of v is
+    dropped when some surviving t of v satisfies
+        c_v[s] − c_v[t] + Σ_(v,w)∈E min_j (C_vw[s,j] − C_vw[t,j]) ≥ 0    (and m_v[s] ≥ m_v[t]
+    when the memory constraint can bind): whatever the neighbours choose, t costs no more
+    than s. This is implied by, and stronger than, "every cost of s is ≥ that of t".
+                                                                      → ``_drop_dominated_strategies``
+P5  Variable elimination, only for nodes whose memory is the same in every strategy (or with
+    no binding memory constraint). A node with one neighbour w is replaced by the cost
+    vector min_s (c_v[s] + C_vw[s, ·]) added to w; a node with two neighbours a, b by the
+    edge min_s (c_v[s] + C_va[s, ·] + C_vb[s, ·]) between a and b (only when that does not
+    make the model larger). The choice of v is recovered afterwards from its neighbours'.
+                                                                      → ``_eliminate_node``
+P6  A memory constraint that cannot bind (Σ_v max m_v ≤ B) is dropped; one that cannot be
+    met (Σ_v min m_v > B) raises ``InfeasibleMemoryError`` before any solver runs.
+                                                                      → ``_check_memory_budget``
+
+The model handed to CBC or HiGHS  → ``_build_model``
+----------------------------------------------------
+After presolve, for each surviving edge (u, v) the strategies of u whose rows of ``C_uv`` are
+identical form *row classes* p (in practice: strategies with the same output sharding), and
+the strategies of v with identical columns form *column classes* q. Because the x are
+one-hot, the class indicator X_p = Σ_(s∈p) x_u[s] is binary, and so is Y_q likewise.
+
+Variables
+    x_v[s] ∈ {0,1}      one per surviving strategy                      → ``_add_strategy_variables``
+    e_uv[p,q] ≥ 0       continuous, one per class pair that needs one   → ``_add_edge_terms``
+Objective (separate terms, so each can be inspected)
+    node term           Σ_v c_v·x_v                                       → ``_add_strategy_variables``
+    edge term           Σ_(u,v) Σ_(p,q) C_uv[p,q]·e_uv[p,q]               → ``_add_edge_terms``
+Constraints (every one named)
+    unique_<i>_<name>        Σ_s x_v[s] = 1                               → ``_add_unique_constraints``
+    edge_<u>_<v>_<p>_<q>     e_uv[p,q] ≥ X_p + Y_q − 1, one per class pair with C_uv[p,q] > 0
+                             (``EdgeFormulation.PRODUCT_BOUND``)            → ``_add_edge_terms``
+    edge_<u>_<v>_row_<p>     Σ_q e_uv[p,q] = X_p     and
+    edge_<u>_<v>_col_<q>     Σ_p e_uv[p,q] = Y_q     (``EdgeFormulation.MARGINAL``, the default)
+    memory                   Σ_v m_v·x_v ≤ B                                → ``_add_memory_constraint``
+
+Both edge formulations are exact for integer x: PRODUCT_BOUND because a minimisation pushes
+each e_pq with C_pq > 0 down to max(0, X_p + Y_q − 1) = X_p·Y_q; MARGINAL because the only
+non-negative matrix with one-hot row and column sums is X Yᵀ. PRODUCT_BOUND has fewer
+variables but a weak LP relaxation (x = 1/n_v everywhere makes every e zero), so the solver
+branches a lot; MARGINAL is the "local polytope" relaxation, exact on trees and tight on
+near-trees, and is much faster on chain-plus-skip graphs (see ``bench/ilp_scaling.py``).
+
+Numerics: objective and memory rows are scaled so their largest coefficient is 1 before the
+solver sees them. The solver only decides the choices: ``ShardingSolution.objective_s`` and
+``memory_bytes`` are recomputed from the choices in numpy by ``evaluate``. The memory budget
+is enforced to the solver's feasibility tolerance (about 1e-6 of the largest per-node memory
+spread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+
+__all__ = [
+    "EdgeFormulation",
+    "ILPEdge",
+    "ILPNode",
+    "InfeasibleMemoryError",
+    "ShardingProblem",
+    "ShardingSolution",
+    "Solver",
+    "SolverUnavailableError",
+    "brute_force",
+    "evaluate",
+    "solve_sharding_ilp",
+]
+
+BRUTE_FORCE_MAX_COMBINATIONS = 1_000_000
+"""``brute_force`` refuses problems with more strategy combinations than this."""
+
+MIP_RELATIVE_GAP = 1e-9
+"""Relative optimality gap both solvers must close (HiGHS' own default, 1e-4, is too loose
+for costs that differ by a few microseconds out of a second)."""
+
+_BRUTE_FORCE_CHUNK = 1 << 16  # combinations evaluated per numpy batch in brute_force
+
+
+# --------------------------------------------------------------------------------------------
+# Public records
+# --------------------------------------------------------------------------------------------
+
+
+class Solver(enum.Enum):
+    """MILP back end. HiGHS (``pip install highspy``) is usually several times faster."""
+
+    CBC = "cbc"
+    HIGHS = "highs"
+
+
+class EdgeFormulation(enum.Enum):
+    """How x_uᵀ C x_v is linearised; both are exact (module docstring, "The model")."""
+
+    MARGINAL = "marginal"  # Σ_q e_pq = X_p, Σ_p e_pq = Y_q: tight LP relaxation
+    PRODUCT_BOUND = "product-bound"  # e_pq ≥ X_p + Y_q − 1 where C_pq > 0: fewer variables
+
+
+class InfeasibleMemoryError(ValueError):
+    """No strategy choice fits the per-device memory budget.
+
+    Attributes:
+        min_memory_bytes: the smallest per-device memory any choice reaches (Σ_v min_s m_v[s]).
+        budget_bytes: the budget that was asked for.
+    """
+
+    def __init__(self, min_memory_bytes: float, budget_bytes: float):
+        self.min_memory_bytes = float(min_memory_bytes)
+        self.budget_bytes = float(budget_bytes)
+        super().__init__(
+            f"memory budget of {_format_bytes(budget_bytes)} per device cannot be met: the "
+            f"smallest peak memory any strategy choice reaches is "
+            f"{_format_bytes(min_memory_bytes)} (every node on its least-memory strategy). "
+            "Use more devices for this stage (a larger mesh shards more), rematerialise "
+            "activations, or use a smaller (micro-)batch."
+        )
+
+
+class SolverUnavailableError(RuntimeError):
+    """The requested MILP back end is not installed."""
+
+
+@dataclass(frozen=True)
+class ILPNode:
+    """One decision: which of ``len(costs)`` strategies to use.
+
+    Attributes:
+        name: shown in error messages and constraint names.
+        costs: seconds per strategy (compute time plus the collectives the strategy implies).
+        memory: bytes per device per strategy; ``None`` means zeros.
+        strategy_names: optional labels (e.g. ``"S0R x RS1"``) for explanations and errors.
+    """
+
+    name: str
+    costs: tuple[float, ...]
+    memory: tuple[float, ...] | None = None
+    strategy_names: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        costs = _as_float_tuple(self.costs, f"node {self.name!r}: costs")
+        if not costs:
+            raise ValueError(f"node {self.name!r} has no strategies: give at least one cost")
+        _check_finite_nonnegative(costs, f"node {self.name!r}: costs (seconds)")
+        object.__setattr__(self, "costs", costs)
+        if self.memory is not None:
+            memory = _as_float_tuple(self.memory, f"node {self.name!r}: memory")
+            if len(memory) != len(costs):
+                raise ValueError(
+                    f"node {self.name!r} has {len(costs)} costs but {len(memory)} memory "
+                    "values: give one memory value (bytes) per strategy, or memory=None"
+                )
+            _check_finite_nonnegative(memory, f"node {self.name!r}: memory (bytes)")
+            object.__setattr__(self, "memory", memory)
+        if self.strategy_names is not None:
+            names = tuple(str(n) for n in self.strategy_names)
+            if len(names) != len(costs):
+                raise ValueError(
+                    f"node {self.name!r} has {len(costs)} costs but {len(names)} "
+                    "strategy_names: give one name per strategy, or strategy_names=None"
+                )
+            object.__setattr__(self, "strategy_names", names)
+
+    @property
+    def num_strategies(self) -> int:
+        return len(self.costs)
+
+    def memory_array(self) -> np.ndarray:
+        """Memory per strategy as a float array (zeros when ``memory`` is None)."""
+        if self.memory is None:
+            return np.zeros(len(self.costs))
+        return np.asarray(self.memory, dtype=float)
+
+    def strategy_label(self, s: int) -> str:
+        return self.strategy_names[s] if self.strategy_names is not None else f"#{s}"
+
+
+@dataclass(frozen=True, eq=False)
+class ILPEdge:
+    """Resharding cost between the strategies of two nodes.
+
+    Attributes:
+        src: index of the producer node in ``ShardingProblem.nodes``.
+        dst: index of the consumer node; must differ from ``src``.
+        costs: seconds, shape (n_src, n_dst), ``costs[s, t]`` when src uses s and dst uses t.
+            Stored as a read-only float64 copy.
+    """
+
+    src: int
+    dst: int
+    costs: np.ndarray
+
+    def __post_init__(self):
+        for field in ("src", "dst"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"edge {field} must be a node index (int), got {value!r}")
+            object.__setattr__(self, field, int(value))
+        if self.src == self.dst:
+            raise ValueError(
+                f"edge {self.src}->{self.dst} connects node {self.src} to itself; a node's "
+                "own costs belong in ILPNode.costs, not on an edge"
+            )
+        try:
+            costs = np.array(self.costs, dtype=float)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"edge {self.src}->{self.dst}: costs are not numeric: {err}") from None
+        if costs.ndim != 2:
+            raise ValueError(
+                f"edge {self.src}->{self.dst}: costs must be a 2-D (n_src, n_dst) matrix, got "
+                f"shape {costs.shape}"
+            )
+        _check_finite_nonnegative(costs, f"edge {self.src}->{self.dst}: costs (seconds)")
+        costs.setflags(write=False)
+        object.__setattr__(self, "costs", costs)
+
+
+@dataclass(frozen=True)
+class ShardingProblem:
+    """Nodes, edges and an optional per-device memory budget; validated when built.
+
+    Raises:
+        ValueError: naming the node or edge whose shape, index or values are wrong.
+    """
+
+    nodes: tuple[ILPNode, ...]
+    edges: tuple[ILPEdge, ...]
+    memory_budget_bytes: float | None = None
+
+    def __post_init__(self):
+        nodes = tuple(self.nodes)
+        edges = tuple(self.edges)
+        for i, node in enumerate(nodes):
+            if not isinstance(node, ILPNode):
+                raise ValueError(f"nodes[{i}] is a {type(node).__name__}, expected ILPNode")
+        for k, edge in enumerate(edges):
+            if not isinstance(edge, ILPEdge):
+                raise ValueError(f"edges[{k}] is a {type(edge).__name__}, expected ILPEdge")
+            for end in ("src", "dst"):
+                index = getattr(edge, end)
+                if not 0 <= index < len(nodes):
+                    raise ValueError(
+                        f"edges[{k}] ({edge.src}->{edge.dst}): {end} index {index} is out of "
+                        f"range for a problem with {len(nodes)} nodes"
+                    )
+            want = (nodes[edge.src].num_strategies, nodes[edge.dst].num_strategies)
+            if edge.costs.shape != want:
+                raise ValueError(
+                    f"edges[{k}] ({edge.src}->{edge.dst}, {nodes[edge.src].name!r} -> "
+                    f"{nodes[edge.dst].name!r}): costs have shape {edge.costs.shape} but the "
+                    f"nodes have {want[0]} and {want[1]} strategies, so the shape must be {want}"
+                )
+        budget = self.memory_budget_bytes
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, float, np.number)):
+                raise ValueError(f"memory_budget_bytes must be a number or None, got {budget!r}")
+            budget = float(budget)
+            if math.isnan(budget) or budget < 0:
+                raise ValueError(
+                    f"memory_budget_bytes must be >= 0 (or None for no limit), got {budget}"
+                )
+        object.__setattr__(self, "nodes", nodes)
+        object.__setattr__(self, "edges", edges)
+        object.__setattr__(self, "memory_budget_bytes", budget)
+
+    @property
+    def num_combinations(self) -> int:
+        """Number of distinct strategy choices (the brute-force search space)."""
+        return math.prod(node.num_strategies for node in self.nodes)
+
+
+@dataclass(frozen=True)
+class ShardingSolution:
+    """The chosen strategies and what they cost.
+
+    Attributes:
+        choices: chosen strategy index per node, in ``ShardingProblem.nodes`` order.
+        objective_s: node_cost_s + edge_cost_s, recomputed from ``choices`` in numpy.
+        node_cost_s: Σ_v c_v[choice_v].
+        edge_cost_s: Σ_(u,v) C_uv[choice_u, choice_v].
+        memory_bytes: Σ_v m_v[choice_v], per device.
+        solver: "cbc", "highs" or "brute-force".
+        status: "optimal", or "time-limit (feasible)" when the solver stopped at its time
+            limit with a solution it had not proven optimal.
+        solve_time_s: wall time of the whole call (presolve, model build and solver).
+        num_variables: variables in the model handed to the solver (0 when presolve solved it).
+        num_constraints: constraints in that model.
+    """
+
+    choices: tuple[int, ...]
+    objective_s: float
+    node_cost_s: float
+    edge_cost_s: float
+    memory_bytes: float
+    solver: str
+    status: str
+    solve_time_s: float
+    num_variables: int
+    num_constraints: int
+
+    def describe(self, problem: ShardingProblem) -> str:
+        """One line per node: its chosen strategy and that strategy's node cost."""
+        lines = [
+            f"objective {self.objective_s:.6g} s = node {self.node_cost_s:.6g} s + edge "
+            f"{self.edge_cost_s:.6g} s; memory {_format_bytes(self.memory_bytes)}; "
+            f"{self.solver} {self.status}"
+        ]
+        for node, s in zip(problem.nodes, self.choices):
+            lines.append(f"  {node.name}: {node.strategy_label(s)} ({node.costs[s]:.6g} s)")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def evaluate(problem: ShardingProblem, choices) -> tuple[float, float, float]:
+    """Cost of one strategy choice, computed directly in numpy.
+
+    Args:
+        problem: the problem.
+        choices: one strategy index per node.
+
+    Returns:
+        ``(node_cost_s, edge_cost_s, memory_bytes)`` with node cost Σ_v c_v[choice_v], edge cost
+        Σ_(u,v) C_uv[choice_u, choice_v] and memory Σ_v m_v[choice_v].
+
+    Raises:
+        ValueError: if ``choices`` has the wrong length or an out-of-range index.
+    """
+    choices = tuple(int(c) for c in choices)
+    if len(choices) != len(problem.nodes):
+        raise ValueError(
+            f"got {len(choices)} choices for a problem with {len(problem.nodes)} nodes"
+        )
+    for node, s in zip(problem.nodes, choices):
+        if not 0 <= s < node.num_strategies:
+            raise ValueError(
+                f"choice {s} for node {node.name!r} is out of range: it has "
+                f"{node.num_strategies} strategies"
+            )
+    node_cost = float(np.sum([node.costs[s] for node, s in zip(problem.nodes, choices)]))
+    edge_cost = float(np.sum([e.costs[choices[e.src], choices[e.dst]] for e in problem.edges]))
+    memory = float(np.sum([node.memory_array()[s] for node, s in zip(problem.nodes, choices)]))
+    return node_cost, edge_cost, memory
+
+
+def brute_force(problem: ShardingProblem) -> ShardingSolution:
+    """Enumerate every strategy choice; for tests and tiny problems.
+
+    Ties are broken towards the lexicographically smallest choice vector.
+
+    Raises:
+        ValueError: if there are more than ``BRUTE_FORCE_MAX_COMBINATIONS`` choices.
+        InfeasibleMemoryError: if no choice fits the memory budget.
+    """
+    start = time.perf_counter()
+    total = problem.num_combinations
+    if total > BRUTE_FORCE_MAX_COMBINATIONS:
+        raise ValueError(
+            f"brute_force would enumerate {total} strategy combinations, more than "
+            f"{BRUTE_FORCE_MAX_COMBINATIONS}: use solve_sharding_ilp for this problem"
+        )
+    _check_memory_budget(problem)
+    counts = [node.num_strategies for node in problem.nodes]
+    costs = [np.asarray(node.costs) for node in problem.nodes]
+    memories = [node.memory_array() for node in problem.nodes]
+    budget = problem.memory_budget_bytes
+    best_value, best_index = math.inf, -1
+    for first in range(0, total, _BRUTE_FORCE_CHUNK):
+        index = np.arange(first, min(total, first + _BRUTE_FORCE_CHUNK))
+        # Mixed-radix digits, node 0 most significant, so index order is lexicographic.
+        digits = np.empty((len(counts), index.size), dtype=np.int64)  # (nodes, batch)
+        rest = index
+        for v in reversed(range(len(counts))):
+            rest, digits[v] = np.divmod(rest, counts[v])
+        value = np.zeros(index.size)
+        for v, c in enumerate(costs):
+            value += c[digits[v]]
+        for edge in problem.edges:
+            value += edge.costs[digits[edge.src], digits[edge.dst]]
+        if budget is not None:
+            memory = np.zeros(index.size)
+            for v, m in enumerate(memories):
+                memory += m[digits[v]]
+            value[memory > budget] = math.inf
+        k = int(np.argmin(value))
+        if value[k] < best_value:
+            best_value, best_index = float(value[k]), int(index[k])
+    choices = []
+    rest = best_index
+    for n in reversed(counts):
+        rest, digit = divmod(rest, n)
+        choices.append(digit)
+    choices = tuple(reversed(choices))
+    return _make_solution(
+        problem, choices, "brute-force", "optimal", time.perf_counter() - start, 0, 0
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Solve
+# --------------------------------------------------------------------------------------------
+
+
+def solve_sharding_ilp(
+    problem: ShardingProblem,
+    solver: Solver = Solver.HIGHS,
+    time_limit_s: float = 60.0,
+    *,
+    edge_formulation: EdgeFormulation = EdgeFormulation.MARGINAL,
+    presolve: bool = True,
+) -> ShardingSolution:
+    """Pick the cheapest strategy per node (module docstring: objective, presolve, model).
+
+    Args:
+        problem: nodes, edges and optional memory budget.
+        solver: ``Solver.HIGHS`` (needs ``highspy``) or ``Solver.CBC`` (ships with PuLP).
+        time_limit_s: wall-clock limit for the MILP solver itself, seconds.
+        edge_formulation: how edge costs are linearised; both are exact.
+        presolve: run P2–P5 and drop a memory constraint that cannot bind (P6). With False
+            only parallel edges are merged (P1), so the solver sees the whole problem; for
+            tests and for measuring what presolve saves.
+
+    Returns:
+        The chosen strategies, with costs recomputed from the choices by ``evaluate``.
+
+    Raises:
+        InfeasibleMemoryError: no choice fits ``problem.memory_budget_bytes``.
+        SolverUnavailableError: the requested solver is not installed.
+        RuntimeError: the solver found no solution within ``time_limit_s``.
+
+    Example:
+        >>> a = ILPNode("a", (1.0, 2.0)); b = ILPNode("b", (2.0, 1.0))
+        >>> e = ILPEdge(0, 1, np.array([[0.0, 5.0], [5.0, 0.0]]))
+        >>> solve_sharding_ilp(ShardingProblem((a, b), (e,)), Solver.CBC).objective_s
+        3.0
+    """
+    start = time.perf_counter()
+    if not isinstance(solver, Solver):
+        raise ValueError(f"solver must be a Solver (Solver.CBC or Solver.HIGHS), got {solver!r}")
+    if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
+        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    backend = _make_backend(solver, time_limit_s)  # fails early if the solver is missing
+    work = _presolve(problem, reduce=presolve)
+    if not work.strategies:
+        choices = _recover_choices(problem, work, {})
+        return _make_solution(
+            problem, choices, solver.value, "optimal", time.perf_counter() - start, 0, 0
+        )
+    model = _build_model(work, edge_formulation)
+    status = _run_solver(model, backend, solver, time_limit_s)
+    picked = {v: int(strategies[np.argmax([x.value() or 0.0 for x in model.x[v]])])
+              for v, strategies in work.strategies.items()}
+    choices = _recover_choices(problem, work, picked)
+    return _make_solution(
+        problem, choices, solver.value, status, time.perf_counter() - start,
+        model.num_variables, model.num_constraints,
+    )
+
+
+def _make_solution(problem, choices, solver, status, elapsed, num_variables, num_constraints):
+    node_cost, edge_cost, memory = evaluate(problem, choices)
+    return ShardingSolution(
+        choices=tuple(int(c) for c in choices),
+        objective_s=node_cost + edge_cost,
+        node_cost_s=node_cost,
+        edge_cost_s=edge_cost,
+        memory_bytes=memory,
+        solver=solver,
+        status=status,
+        solve_time_s=elapsed,
+        num_variables=num_variables,
+        num_constraints=num_constraints,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Presolve
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Elimination:
+    """How to recover an eliminated node's choice from its neighbours' (P5)."""
+
+    node: int
+    strategies: np.ndarray  # the node's surviving original strategy ids at elimination time
+    neighbours: tuple[int, ...]  # 0, 1 or 2 node ids
+    neighbour_strategies: tuple[np.ndarray, ...]  # their strategy ids at that time
+    best: np.ndarray  # position in `strategies`, indexed by the neighbours' positions
+
+
+@dataclass
+class _Work:
+    """Mutable working copy of a problem during presolve; node ids are original indices.
+
+    Every array is indexed by position among the node's *surviving* strategies;
+    ``strategies[v][i]`` is the original strategy id at position i.
+    """
+
+    strategies: dict[int, np.ndarray]
+    costs: dict[int, np.ndarray]  # seconds, reparameterised (P2)
+    memory: dict[int, np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray]  # key (u, v) with u < v; rows u, columns v
+    neighbours: dict[int, set[int]]
+    memory_budget: float | None  # None when there is no budget or it cannot bind
+    node_names: dict[int, str]  # for constraint names
+    fixed: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> strategy id
+    eliminated: list[_Elimination] = dataclasses.field(default_factory=list)
+    removed_memory: float = 0.0  # bytes of the nodes folded (P3) or eliminated (P5)
+
+    def edge_from(self, v: int, w: int) -> np.ndarray:
+        """Edge matrix between v and w with v's strategies as rows."""
+        return self.edges[(v, w)] if v < w else self.edges[(w, v)].T
+
+    def add_edge(self, v: int, w: int, matrix: np.ndarray) -> None:
+        """Add ``matrix`` (rows v) to the v-w edge, creating it if needed (P1)."""
+        key, m = ((v, w), matrix) if v < w else ((w, v), matrix.T)
+        self.edges[key] = self.edges[key] + m if key in self.edges else np.array(m, dtype=float)
+        self.neighbours[v].add(w)
+        self.neighbours[w].add(v)
+
+    def remove_edge(self, v: int, w: int) -> None:
+        del self.edges[(min(v, w), max(v, w))]
+        self.neighbours[v].discard(w)
+        self.neighbours[w].discard(v)
+
+    def remove_node(self, v: int) -> None:
+        for w in list(self.neighbours[v]):
+            self.remove_edge(v, w)
+        for table in (self.strategies, self.costs, self.memory, self.neighbours):
+            del table[v]
+
+    def memory_matters(self, v: int) -> bool:
+        """Whether v's choice can change whether the memory constraint holds."""
+        m = self.memory[v]
+        return self.memory_budget is not None and bool(m.max() > m.min())
+
+
+def _presolve(problem: ShardingProblem, reduce: bool = True) -> _Work:
+    """Apply P1–P6 (module docstring) until nothing changes; returns the reduced problem.
+
+    With ``reduce=False`` only P1 runs (and all-zero edges are dropped); an infeasible budget
+    still raises.
+    """
+    budget = _check_memory_budget(problem)
+    if not reduce:
+        budget = problem.memory_budget_bytes
+    work = _Work(
+        strategies={v: np.arange(n.num_strategies) for v, n in enumerate(problem.nodes)},
+        costs={v: np.array(n.costs, dtype=float) for v, n in enumerate(problem.nodes)},
+        memory={v: n.memory_array() for v, n in enumerate(problem.nodes)},
+        edges={},
+        neighbours={v: set() for v in range(len(problem.nodes))},
+        memory_budget=budget,
+        node_names={v: n.name for v, n in enumerate(problem.nodes)},
+    )
+    _merge_parallel_edges(work, problem.edges)
+    if not reduce:
+        for key in [k for k, m in work.edges.items() if not m.any()]:
+            work.remove_edge(*key)
+        return work
+    for u, v in list(work.edges):
+        _move_edge_minima_into_nodes(work, u, v)
+    while True:
+        _reduce_until_stable(work)
+        if work.memory_budget is None or _memory_can_bind(work):
+            return work
+        work.memory_budget = None  # P6 after dominance shrank the worst case; run again
+
+
+def _check_memory_budget(problem: ShardingProblem) -> float | None:
+    """P6: the budget if it can bind, None if it cannot; raise if it cannot be met."""
+    budget = problem.memory_budget_bytes
+    if budget is None:
+        return None
+    lowest = sum(min(n.memory_array()) for n in problem.nodes)
+    if lowest > budget:
+        raise InfeasibleMemoryError(lowest, budget)
+    highest = sum(max(n.memory_array()) for n in problem.nodes)
+    return None if highest <= budget else budget
+
+
+def _memory_can_bind(work: _Work) -> bool:
+    """Whether some remaining choice could exceed the budget (P6)."""
+    worst = work.removed_memory + sum(float(m.max()) for m in work.memory.values())
+    return worst > work.memory_budget
+
+
+def _merge_parallel_edges(work: _Work, edges) -> None:
+    """P1: one summed matrix per unordered node pair (a reversed edge is transposed)."""
+    for edge in edges:
+        work.add_edge(edge.src, edge.dst, edge.costs)
+
+
+def _move_edge_minima_into_nodes(work: _Work, u: int, v: int) -> None:
+    """P2: move row minima of C_uv into c_u, then column minima into c_v; drop a zero edge."""
+    key = (min(u, v), max(u, v))
+    matrix = work.edges[key]
+    row_min = matrix.min(axis=1)
+    matrix = matrix - row_min[:, None]
+    col_min = matrix.min(axis=0)
+    matrix = matrix - col_min[None, :]
+    work.costs[key[0]] = work.costs[key[0]] + row_min
+    work.costs[key[1]] = work.costs[key[1]] + col_min
+    if not matrix.any():
+        work.remove_edge(*key)
+    else:
+        work.edges[key] = matrix
+
+
+def _reduce_until_stable(work: _Work) -> None:
+    """Run P3–P5 on a worklist: a node is revisited whenever a neighbour changed."""
+    pending = set(work.strategies)
+    while pending:
+        v = min(pending)  # deterministic order
+        pending.discard(v)
+        if v not in work.strategies:
+            continue
+        neighbours = set(work.neighbours[v])
+        if len(work.strategies[v]) == 1:
+            _fold_fixed_node(work, v)
+            pending |= neighbours
+        elif _drop_dominated_strategies(work, v):
+            pending |= neighbours | {v}
+        elif len(neighbours) <= 2 and not work.memory_matters(v) and _eliminate_node(work, v):
+            pending |= neighbours
+
+
+def _fold_fixed_node(work: _Work, v: int) -> None:
+    """P3: add the fixed strategy's rows/columns to the neighbours' costs; remove v."""
+    for w in list(work.neighbours[v]):
+        work.costs[w] = work.costs[w] + work.edge_from(w, v)[:, 0]
+    work.fixed[v] = int(work.strategies[v][0])
+    work.removed_memory += float(work.memory[v][0])
+    work.remove_node(v)
+
+
+def _drop_dominated_strategies(work: _Work, v: int) -> bool:
+    """P4: drop each strategy s of v for which a surviving t has δ(s, t) ≥ 0, where
+
+        δ(s, t) = c_v[s] − c_v[t] + Σ_(v,w)∈E min_j (C_vw[s, j] − C_vw[t, j])
+
+    is a lower bound on cost(s) − cost(t) whatever the neighbours choose (and, when the
+    memory constraint can bind, m_v[s] ≥ m_v[t]). Strategies are removed one at a time, from
+    the last, so of several equivalent strategies the first survives. Returns whether any
+    strategy was dropped.
+    """
+    costs = work.costs[v]
+    k = len(costs)
+    if k < 2:
+        return False
+    delta = costs[:, None] - costs[None, :]  # (k, k): δ(s, t) under construction
+    for w in work.neighbours[v]:
+        matrix = work.edge_from(v, w)  # (k, n_w)
+        delta = delta + (matrix[:, None, :] - matrix[None, :, :]).min(axis=2)
+    dominated = delta >= 0
+    if work.memory_matters(v):
+        memory = work.memory[v]
+        dominated &= memory[:, None] >= memory[None, :]
+    np.fill_diagonal(dominated, False)
+    if not dominated.any():
+        return False
+    keep = np.ones(k, dtype=bool)
+    for s in reversed(range(k)):
+        if (dominated[s] & keep).any():
+            keep[s] = False
+    _restrict_strategies(work, v, keep)
+    return True
+
+
+def _restrict_strategies(work: _Work, v: int, keep: np.ndarray) -> None:
+    work.strategies[v] = work.strategies[v][keep]
+    work.costs[v] = work.costs[v][keep]
+    work.memory[v] = work.memory[v][keep]
+    for w in list(work.neighbours[v]):
+        key = (min(v, w), max(v, w))
+        work.edges[key] = work.edges[key][keep, :] if v < w else work.edges[key][:, keep]
+        _move_edge_minima_into_nodes(work, *key)
+
+
+def _eliminate_node(work: _Work, v: int) -> bool:
+    """P5: remove a node with at most two neighbours by minimising over its strategies.
+
+    No neighbour: v takes argmin_s c_v[s]. One neighbour w: c_w[j] += min_s (c_v[s] +
+    C_vw[s, j]). Two neighbours a, b: the a-b edge gains T[i, j] = min_s (c_v[s] + C_va[s, i] +
+    C_vb[s, j]) — only done if the a-b edge then needs no more class pairs than the two edges
+    it replaces (otherwise returns False). v's memory must not matter (caller checks).
+    """
+    neighbours = tuple(sorted(work.neighbours[v]))
+    costs = work.costs[v]
+    if len(neighbours) == 0:
+        total = costs
+    elif len(neighbours) == 1:
+        total = costs[:, None] + work.edge_from(v, neighbours[0])  # (k_v, k_w)
+    else:
+        a, b = neighbours
+        to_a, to_b = work.edge_from(v, a), work.edge_from(v, b)
+        total = costs[:, None, None] + to_a[:, :, None] + to_b[:, None, :]  # (k_v, k_a, k_b)
+        new_edge = total.min(axis=0)
+        if (a, b) in work.edges:
+            new_edge = new_edge + work.edge_from(a, b)
+        before = _count_class_pairs(to_a) + _count_class_pairs(to_b) + _count_class_pairs(
+            work.edge_from(a, b) if (a, b) in work.edges else None
+        )
+        after = _count_class_pairs(_reparameterised(new_edge))
+        if after > before:
+            return False
+    record = _Elimination(
+        node=v,
+        strategies=work.strategies[v],
+        neighbours=neighbours,
+        neighbour_strategies=tuple(work.strategies[w] for w in neighbours),
+        best=np.argmin(total, axis=0),
+    )
+    reduced = total.min(axis=0)
+    work.removed_memory += float(work.memory[v][0])  # the same in every strategy
+    work.remove_node(v)
+    work.eliminated.append(record)
+    if len(neighbours) == 1:
+        work.costs[neighbours[0]] = work.costs[neighbours[0]] + reduced
+    elif len(neighbours) == 2:
+        a, b = neighbours
+        work.add_edge(a, b, reduced)
+        _move_edge_minima_into_nodes(work, a, b)
+    return True
+
+
+def _reparameterised(matrix: np.ndarray) -> np.ndarray:
+    matrix = matrix - matrix.min(axis=1, keepdims=True)
+    return matrix - matrix.min(axis=0, keepdims=True)
+
+
+def _count_class_pairs(matrix: np.ndarray | None) -> int:
+    """Edge variables an edge needs: (distinct rows) × (distinct columns), 0 if all zero."""
+    if matrix is None or not matrix.any():
+        return 0
+    rows = np.unique(matrix, axis=0).shape[0]
+    cols = np.unique(matrix, axis=1).shape[1]
+    return rows * cols
+
+
+def _recover_choices(problem: ShardingProblem, work: _Work, picked: dict[int, int]) -> tuple:
+    """Original strategy id per node from solver picks, P3 folds and P5 eliminations."""
+    choice = dict(work.fixed)
+    choice.update(picked)
+    for record in reversed(work.eliminated):
+        position = tuple(
+            int(np.searchsorted(ids, choice[w]))
+            for w, ids in zip(record.neighbours, record.neighbour_strategies)
+        )
+        choice[record.node] = int(record.strategies[record.best[position]])
+    return tuple(choice[v] for v in range(len(problem.nodes)))
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Model:
+    """The PuLP model and the variables needed to read the answer back."""
+
+    problem: pulp.LpProblem
+    x: dict[int, list]  # node -> one binary per surviving strategy
+    num_variables: int
+    num_constraints: int
+
+
+def _build_model(work: _Work, formulation: EdgeFormulation) -> _Model:
+    """Variables, objective terms and named constraints of the reduced problem (docstring)."""
+    lp = pulp.LpProblem("sharding", pulp.LpMinimize)
+    scale = _objective_scale(work)
+    objective: list[tuple] = []
+    x = _add_strategy_variables(lp, work, scale, objective)
+    _add_unique_constraints(lp, work, x)
+    num_edge_variables = _add_edge_terms(lp, work, x, scale, objective, formulation)
+    _add_memory_constraint(lp, work, x)
+    lp.setObjective(pulp.LpAffineExpression(objective))
+    num_variables = sum(len(xs) for xs in x.values()) + num_edge_variables
+    return _Model(lp, x, num_variables, len(lp._constraints))
+
+
+def _objective_scale(work: _Work) -> float:
+    """Largest objective coefficient (after P2), so the solver sees coefficients ≤ 1."""
+    largest = max(
+        [float((c - c.min()).max()) for c in work.costs.values()]
+        + [float(m.max()) for m in work.edges.values()]
+    )
+    return largest if largest > 0 else 1.0
+
+
+def _add_strategy_variables(lp, work: _Work, scale: float, objective: list) -> dict:
+    """x_v[s] ∈ {0,1} per surviving strategy, and the node term Σ_v c_v·x_v of the objective.
+
+    The per-node minimum is a constant under Σ_s x_v[s] = 1 and is left out.
+    """
+    x = {}
+    for v, strategies in work.strategies.items():
+        costs = (work.costs[v] - work.costs[v].min()) / scale
+        x[v] = [lp.add_variable(f"x_{v}_{s}", 0, 1, pulp.LpBinary) for s in strategies]
+        objective.extend((var, float(c)) for var, c in zip(x[v], costs) if c != 0)
+    return x
+
+
+def _add_unique_constraints(lp, work: _Work, x: dict) -> None:
+    """unique_<i>_<name>: Σ_s x_v[s] = 1 for every node left after presolve."""
+    for v, xs in x.items():
+        lp.addConstraint(pulp.LpConstraint(
+            pulp.LpAffineExpression([(var, 1.0) for var in xs]),
+            pulp.LpConstraintEQ, f"unique_{v}{_name_suffix(work, v)}", 1.0,
+        ))
+
+
+def _add_edge_terms(lp, work: _Work, x: dict, scale: float, objective: list,
+                    formulation: EdgeFormulation) -> int:
+    """The edge term Σ C_uv[p, q]·e_uv[p, q] over class pairs, with its linking constraints.
+
+    Row classes p of u: strategies with identical rows of C_uv; column classes q of v
+    likewise. X_p = Σ_(s∈p) x_u[s], Y_q = Σ_(t∈q) x_v[t].
+
+    PRODUCT_BOUND: for each (p, q) with C[p, q] > 0, e_pq ≥ 0 and
+        edge_<u>_<v>_<p>_<q>:   e_pq − X_p − Y_q ≥ −1
+    MARGINAL: for every (p, q), e_pq ≥ 0, and
+        edge_<u>_<v>_row_<p>:   Σ_q e_pq − X_p = 0
+        edge_<u>_<v>_col_<q>:   Σ_p e_pq − Y_q = 0
+
+    Returns the number of e variables created.
+    """
+    created = 0
+    for (u, v), matrix in sorted(work.edges.items()):
+        rows, row_class = np.unique(matrix, axis=0, return_inverse=True)
+        row_class = row_class.reshape(-1)
+        classes, col_class = np.unique(rows, axis=1, return_inverse=True)  # (P, Q)
+        col_class = col_class.reshape(-1)
+        X = [[(x[u][s], 1.0) for s in np.flatnonzero(row_class == p)]
+             for p in range(classes.shape[0])]
+        Y = [[(x[v][t], 1.0) for t in np.flatnonzero(col_class == q)]
+             for q in range(classes.shape[1])]
+        if formulation is EdgeFormulation.PRODUCT_BOUND:
+            for p, q in zip(*np.nonzero(classes)):
+                e = lp.add_variable(f"e_{u}_{v}_{p}_{q}", 0, None, pulp.LpContinuous)
+                created += 1
+                objective.append((e, float(classes[p, q]) / scale))
+                terms = [(e, 1.0)] + [(var, -1.0) for var, _ in X[p] + Y[q]]
+                lp.addConstraint(pulp.LpConstraint(
+                    pulp.LpAffineExpression(terms), pulp.LpConstraintGE,
+                    f"edge_{u}_{v}_{p}_{q}", -1.0,
+                ))
+        else:
+            e = [[lp.add_variable(f"e_{u}_{v}_{p}_{q}", 0, None, pulp.LpContinuous)
+                  for q in range(classes.shape[1])] for p in range(classes.shape[0])]
+            created += classes.size
+            for p, q in zip(*np.nonzero(classes)):
+                objective.append((e[p][q], float(classes[p, q]) / scale))
+            for p in range(classes.shape[0]):
+                terms = [(var, 1.0) for var in e[p]] + [(var, -1.0) for var, _ in X[p]]
+                lp.addConstraint(pulp.LpConstraint(
+                    pulp.LpAffineExpression(terms), pulp.LpConstraintEQ,
+                    f"edge_{u}_{v}_row_{p}", 0.0,
+                ))
+            for q in range(classes.shape[1]):
+                terms = [(row[q], 1.0) for row in e] + [(var, -1.0) for var, _ in Y[q]]
+                lp.addConstraint(pulp.LpConstraint(
+                    pulp.LpAffineExpression(terms), pulp.LpConstraintEQ,
+                    f"edge_{u}_{v}_col_{q}", 0.0,
+                ))
+    return created
+
+
+def _add_memory_constraint(lp, work: _Work, x: dict) -> None:
+    """memory: Σ_v m_v·x_v ≤ B, written as Σ_v (m_v − min m_v)·x_v ≤ B − Σ_v min m_v − (memory
+    of removed nodes), scaled so the largest coefficient is 1. Skipped when it cannot bind."""
+    if work.memory_budget is None:
+        return
+    floor = sum(float(m.min()) for m in work.memory.values())
+    rhs = work.memory_budget - work.removed_memory - floor
+    spreads = {v: m - m.min() for v, m in work.memory.items()}
+    scale = max(float(s.max()) for s in spreads.values())
+    if scale == 0:  # every choice uses the same memory, which fits (checked in P6)
+        return
+    terms = [(var, float(m) / scale) for v, xs in x.items()
+             for var, m in zip(xs, spreads[v]) if m != 0]
+    lp.addConstraint(pulp.LpConstraint(
+        pulp.LpAffineExpression(terms), pulp.LpConstraintLE, "memory", rhs / scale,
+    ))
+
+
+def _name_suffix(work: _Work, v: int) -> str:
+    name = work.node_names.get(v, "")
+    safe = re.sub(r"[^A-Za-z0-9_]", "_", name)[:40]
+    return f"_{safe}" if safe else ""
+
+
+# --------------------------------------------------------------------------------------------
+# Solvers
+# --------------------------------------------------------------------------------------------
+
+
+def _make_backend(solver: Solver, time_limit_s: float):
+    if solver is Solver.HIGHS:
+        try:
+            import highspy  # noqa: F401
+        except ImportError:
+            raise SolverUnavailableError(
+                "Solver.HIGHS needs the highspy package, which is not installed: run "
+                "`pip install highspy` (or `pip install alpa_lite[highs]`), or pass "
+                "solver=Solver.CBC to use the CBC solver that ships with PuLP."
+            ) from None
+        return pulp.HiGHS(msg=False, timeLimit=float(time_limit_s), gapRel=MIP_RELATIVE_GAP,
+                          gapAbs=0.0)
+    with warnings.catch_warnings():
+        # PuLP 3.3 warns that PULP_CBC_CMD (its bundled CBC binary) goes away in PuLP 4.0.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        backend = pulp.PULP_CBC_CMD(msg=False, timeLimit=float(time_limit_s),
+                                    gapRel=MIP_RELATIVE_GAP)
+    if not backend.available():
+        raise SolverUnavailableError(
+            f"Solver.CBC: PuLP's bundled CBC binary cannot be run ({backend.path}); reinstall "
+            "PuLP (`pip install --force-reinstall pulp`) or pass solver=Solver.HIGHS."
+        )
+    return backend
+
+
+def _run_solver(model: _Model, backend, solver: Solver, time_limit_s: float) -> str:
+    """Solve; return "optimal" or "time-limit (feasible)", raise if there is no solution."""
+    with tempfile.TemporaryDirectory(prefix="alpa_lite_ilp_") as tmp:
+        backend.tmpDir = tmp  # CBC writes its .mps and .sol files here
+        model.problem.solve(backend)
+    solution_status = model.problem.sol_status
+    if solution_status == pulp.LpSolutionOptimal:
+        return "optimal"
+    if solution_status == pulp.LpSolutionIntegerFeasible:
+        return "time-limit (feasible)"
+    if solution_status == pulp.LpSolutionNoSolutionFound:
+        raise RuntimeError(
+            f"{solver.value} found no strategy choice within time_limit_s={time_limit_s} s "
+            f"({model.num_variables} variables, {model.num_constraints} constraints); pass a "
+            "larger time_limit_s, or Solver.HIGHS if you used CBC."
+        )
+    raise RuntimeError(
+        f"{solver.value} returned status {pulp.LpStatus[model.problem.status]!r} "
+        f"(solution status {solution_status}) on a model that presolve showed to be feasible; "
+        "this is a bug in alpa_lite's ILP construction — please report it with the problem."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _as_float_tuple(values, what: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{what} must be a sequence of numbers: {err}") from None
+
+
+def _check_finite_nonnegative(values, what: str) -> None:
+    array = np.asarray(values, dtype=float)
+    if np.isnan(array).any():
+        raise ValueError(f"{what} contain NaN at index {np.argwhere(np.isnan(array))[0].tolist()}")
+    if np.isinf(array).any():
+        raise ValueError(
+            f"{what} contain inf at index {np.argwhere(np.isinf(array))[0].tolist()}: leave an "
+            "impossible strategy out instead of giving it infinite cost"
+        )
+    if (array < 0).any():
+        where = np.argwhere(array < 0)[0].tolist()
+        raise ValueError(
+            f"{what} must be >= 0, got {array[tuple(where)]} at index {where}: costs are "
+            "times and memory is bytes"
+        )
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.4g} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
