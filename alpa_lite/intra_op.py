@@ -75,6 +75,10 @@ class Strategy:
 # A pin restricts the strategies of an input tensor: called with the tensor and a candidate
 # spec, it says whether the spec is allowed.
 InputPin = Callable[[Tensor, TensorSpec], bool]
+# A node pin restricts the strategies of an operator the same way (if it admits none of
+# them, the operator keeps all: a pin is a preference of the method, not a constraint the
+# shapes can always meet).
+NodePin = Callable[[Node, Strategy], bool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +99,7 @@ class _Units:
     constant's) and every node (unit id = offset + node id)."""
 
     def __init__(self, graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, comm: CommModel,
-                 pin: InputPin | None):
+                 pin: InputPin | None, node_pin: NodePin | None = None):
         self.graph = graph
         self.mesh = mesh
         self.cluster = cluster
@@ -109,7 +113,10 @@ class _Units:
         for tid in self.source_tensors:
             self.strategies.append(self._input_strategies(graph.tensors[tid], pin))
         for node in graph.nodes:
-            self.strategies.append(self._node_strategies(node))
+            strategies = self._node_strategies(node)
+            if node_pin is not None:
+                strategies = [st for st in strategies if node_pin(node, st)] or strategies
+            self.strategies.append(strategies)
 
     def producer_unit(self, tid: int) -> int:
         p = self.graph.producer(tid)
@@ -167,15 +174,43 @@ class _Units:
             shards = math.prod(self.mesh.axis_size(a) for v in assign.values() for a in v)
             partial = [a for l, v in assign.items() if l in labels.reduced for a in v]
             colls = []
-            if partial:
-                for o, spec in zip(outs, out_specs):
-                    nbytes = o.size * itemsize(o.dtype) / spec.num_shards(self.mesh)
-                    if nbytes:
-                        colls.append(self.comm.op(CollectiveKind.ALL_REDUCE, nbytes, partial))
+            # XLA combines partial sums one reduced dimension at a time: a dimension split
+            # over (x, y) is one all-reduce over both, two split dimensions are two.
+            reduced_groups = [v for l, v in sorted(assign.items()) if l in labels.reduced]
+            for o, spec in zip(outs, out_specs):
+                nbytes = o.size * itemsize(o.dtype) / spec.num_shards(self.mesh)
+                for group in reduced_groups if nbytes else ():
+                    colls.append(self.comm.op(CollectiveKind.ALL_REDUCE, nbytes, group))
             compute = compute_time(node.flops / shards, node.bytes_accessed / shards,
                                    self.cluster.device, dtype, is_mm)
             result.append(Strategy(tuple(in_specs), out_specs, compute, tuple(colls), shards))
+            if partial and len(outs) == 1:
+                result.extend(self._scattered_variants(outs[0], tuple(in_specs), out_specs[0],
+                                                       partial, compute, shards))
         return result
+
+    def _scattered_variants(self, out: Tensor, in_specs, out_spec: TensorSpec,
+                            partial: list[str], compute: float, shards: int) -> list[Strategy]:
+        """Partial sums reduced straight into a split result: a reduce-scatter (ZeRO's
+        gradient sync). XLA on CPU emits all-reduce + local slice instead, so there the
+        collective is an all-reduce of the whole result."""
+        variants = []
+        for axis in partial:
+            n = self.mesh.axis_size(axis)
+            for d, dim_axes in enumerate(out_spec.dims):
+                if dim_axes or out.shape[d] % n:
+                    continue
+                spec = TensorSpec(tuple((axis,) if i == d else a
+                                        for i, a in enumerate(out_spec.dims)))
+                whole = out.size * itemsize(out.dtype) / out_spec.num_shards(self.mesh)
+                rest = [a for a in partial if a != axis]
+                colls = [self.comm.op(CollectiveKind.ALL_REDUCE, whole, rest)] if rest else []
+                if self.cluster.platform == "cpu":
+                    colls.append(self.comm.op(CollectiveKind.ALL_REDUCE, whole, [axis]))
+                else:
+                    colls.append(self.comm.op(CollectiveKind.REDUCE_SCATTER, whole / n, [axis]))
+                variants.append(Strategy(in_specs, (spec,), compute, tuple(colls), shards))
+        return variants
 
 
 def _reshard_cost(units: _Units, t: Tensor, src: TensorSpec, dst: TensorSpec | None,
@@ -379,7 +414,8 @@ def _live_at_peak(graph: OpGraph) -> set[int]:
 
 
 def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
-               pin: InputPin | None = None, memory_budget_bytes: float | None = None,
+               pin: InputPin | None = None, node_pin: NodePin | None = None,
+               memory_budget_bytes: float | None = None,
                solver: Solver = Solver.HIGHS, time_limit_s: float = 60.0,
                tensor_names: dict[int, str] | None = None) -> StageResult:
     """Solves the intra-op sharding problem of `graph` on `mesh`.
@@ -389,6 +425,7 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
       mesh: the logical mesh (device block and axis names).
       cluster: for compute and collective costs.
       pin: restricts the specs of input tensors (Manual and DataParallel plans).
+      node_pin: restricts the strategies of operators (Manual plans).
       memory_budget_bytes: per-device limit, or None.
       solver, time_limit_s: for the ILP.
       tensor_names: readable names for the sharding table (default: tensor names).
@@ -402,7 +439,7 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
     """
     t0 = time.perf_counter()
     comm = CommModel(cluster, mesh)
-    units = _Units(graph, mesh, cluster, comm, pin)
+    units = _Units(graph, mesh, cluster, comm, pin, node_pin)
     cache: dict = {}
     follow = _follow_targets(graph, units)
     groups, group_of = _build_groups(graph, units, follow, cache)
@@ -515,17 +552,20 @@ def _assemble(graph, units, groups, group_of, choices, mesh, cluster, cache, nam
         colls.extend(st.collectives)
         compute += st.compute_s
     operand_specs = []
+    done: set[tuple[int, TensorSpec]] = set()
     for node in graph.nodes:
         st = chosen[off + node.id]
         for pos, tid in enumerate(node.inputs):
             if tid is None or st.in_specs[pos] is None:
                 continue
-            src = spec_of(tid)
-            if src != st.in_specs[pos]:
-                t = graph.tensors[tid]
-                ops = reshard_collectives(t.shape, t.dtype, src, st.in_specs[pos], units.comm)
-                colls.extend(ops)
-                operand_specs.append((node.id, pos, st.in_specs[pos]))
+            src, dst = spec_of(tid), st.in_specs[pos]
+            if src != dst:
+                operand_specs.append((node.id, pos, dst))
+                # XLA reshards a value once per target spec, however many ops read it.
+                if (tid, dst) not in done:
+                    done.add((tid, dst))
+                    t = graph.tensors[tid]
+                    colls.extend(reshard_collectives(t.shape, t.dtype, src, dst, units.comm))
     input_specs = tuple(spec_of(t) for t in graph.inputs)
     output_specs = []
     for out_pos, tid in enumerate(graph.outputs):

@@ -42,7 +42,20 @@ def auto_mesh_shapes(num_devices: int) -> tuple[tuple[int, int], ...]:
     return tuple(s for s in shapes if s != (num_devices, 1) or num_devices == 1)
 
 
-def megatron_weight_dims(graph: OpGraph, tp: int) -> dict[int, int | None]:
+@dataclasses.dataclass(frozen=True)
+class MegatronLayout:
+    """Per parameter, the dimension split over tp (None: whole); and per matmul that reads a
+    parameter (through casts or transposes), that operand's dims mapped to the param's."""
+    weight_dims: dict[int, int | None]
+    weight_reads: tuple[tuple[int, int, int, tuple[int | None, ...]], ...]  # node, pos, param, dim map
+
+    def operand_spec(self, param: int, dmap: tuple[int | None, ...]) -> TensorSpec:
+        pdim = self.weight_dims.get(param)
+        return TensorSpec(tuple(("tp",) if pdim is not None and d == pdim else ()
+                                for d in dmap))
+
+
+def megatron_weight_dims(graph: OpGraph, tp: int) -> MegatronLayout:
     """Which dimension of each parameter Megatron-LM splits over the tensor-parallel axis.
 
     Walks the forward pass tracking which dimension of each activation is split. A matmul
@@ -57,6 +70,7 @@ def megatron_weight_dims(graph: OpGraph, tp: int) -> dict[int, int | None]:
     split: dict[int, int | None] = {}          # tensor id -> split dim or None
     view: dict[int, tuple[int, tuple[int | None, ...]]] = {}   # tensor -> (param, dim map)
     assigned: dict[int, int | None] = {}
+    reads: list[tuple[int, int, int, tuple[int | None, ...]]] = []
     for t in graph.tensors:
         if t.role is Role.PARAM:
             view[t.id] = (t.id, tuple(range(len(t.shape))))
@@ -94,6 +108,7 @@ def megatron_weight_dims(graph: OpGraph, tp: int) -> dict[int, int | None]:
         if node.primitive == "dot_general" and params_here:
             pos, t = params_here[0]
             param, dmap = view[t]
+            reads.append((node.id, pos, param, dmap))
             plab = labels.operands[pos]
             out_labels = set(labels.outputs[0])
             if carried is None:
@@ -123,11 +138,53 @@ def megatron_weight_dims(graph: OpGraph, tp: int) -> dict[int, int | None]:
     for t in graph.tensors:
         if t.role is Role.PARAM:
             assigned.setdefault(t.id, None)
-    return assigned
+    return MegatronLayout(assigned, tuple(reads))
 
 
-def _manual_pin(graph: OpGraph, dp: int, tp: int, zero: bool):
-    weight_dims = megatron_weight_dims(graph, tp) if tp > 1 else {}
+def batch_dims(graph: OpGraph) -> dict[int, int]:
+    """For each tensor that carries the batch, which dimension it is (the leading dimension
+    of the batch inputs, followed through every operator's dimension labels)."""
+    found: dict[int, int] = {t.id: 0 for t in graph.tensors_with_role(Role.BATCH) if t.shape}
+    for node in graph.nodes:
+        ins = [None if t is None else graph.tensors[t].shape for t in node.inputs]
+        labels = dim_labels(node.primitive, node.params, ins,
+                            [graph.tensors[t].shape for t in node.outputs])
+        if labels is None:
+            continue
+        label = next((labels.operands[p][found[t]] for p, t in enumerate(node.inputs)
+                      if t in found and labels.operands[p] is not None), None)
+        if label is None:
+            continue
+        for t, lab in zip(node.outputs, labels.outputs):
+            if label in lab:
+                found[t] = lab.index(label)
+    return found
+
+
+def _manual_pins(graph: OpGraph, dp: int, tp: int, zero: bool):
+    layout = megatron_weight_dims(graph, tp)
+    weight_dims = layout.weight_dims if tp > 1 else {}
+    read_spec = {(n, pos): layout.operand_spec(param, dmap) if tp > 1
+                 else TensorSpec.replicated(len(dmap))
+                 for n, pos, param, dmap in layout.weight_reads}
+
+    # Data parallelism splits the batch dimension and nothing else: dp may only split the
+    # dimension that carries the batch; a tensor without one (weights, their gradients,
+    # the optimizer update) is whole over dp, except under ZeRO, where it may split.
+    bdims = batch_dims(graph)
+
+    def node_pin(node, strategy) -> bool:
+        # Matmuls read their weights as stored: no weight is resharded in the forward or
+        # backward pass, as in Megatron-LM.
+        for pos in range(len(node.inputs)):
+            want = read_spec.get((node.id, pos))
+            if want is not None and strategy.in_specs[pos] != want:
+                return False
+        for t, spec in zip(node.outputs, strategy.out_specs):
+            d = spec.dim_of("dp")
+            if d is not None and d != bdims.get(t) and not (zero and bdims.get(t) is None):
+                return False
+        return True
 
     def pin(t: Tensor, spec: TensorSpec) -> bool:
         dp_dim = spec.dim_of("dp")
@@ -142,7 +199,7 @@ def _manual_pin(graph: OpGraph, dp: int, tp: int, zero: bool):
                                                   and spec.dims[d][0] == "tp")), None)
             return dp_dim == first
         return dp_dim is None
-    return pin
+    return pin, node_pin
 
 
 def _check_batch(graph: OpGraph, dp: int) -> None:
@@ -175,9 +232,9 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
                              f"product is {n}")
         _check_batch(graph, method_m.dp)
         mesh = LogicalMesh((method_m.dp, method_m.tp), ("dp", "tp"))
-        res = plan_stage(graph, mesh, cluster,
-                         pin=_manual_pin(graph, method_m.dp, method_m.tp,
-                                         method_m.shard_optimizer_state),
+        pin, node_pin = _manual_pins(graph, method_m.dp, method_m.tp,
+                                     method_m.shard_optimizer_state)
+        res = plan_stage(graph, mesh, cluster, pin=pin, node_pin=node_pin,
                          memory_budget_bytes=None, solver=_solver(method_m.solver),
                          time_limit_s=method_m.time_limit_s, tensor_names=dict(tensor_names or {}))
         results.append((mesh, res))

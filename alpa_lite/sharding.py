@@ -6,7 +6,7 @@ spec into another, with per-device byte counts defined the way XLA's HLO shapes 
 so a plan's prediction can be checked against the compiled program:
 
   all-reduce / all-to-all: bytes of the per-device operand;
-  all-gather: bytes of the per-device (gathered) result.
+  all-gather / reduce-scatter: bytes of the per-device result.
 
 Sharding a dimension that was replicated is a local slice and costs nothing.
 """
@@ -147,6 +147,14 @@ class CommModel:
             size /= self.mesh.axis_size(a)
         return total
 
+    def reduce_scatter(self, nbytes: float, axes: Sequence[str]) -> float:
+        """Reduce-scatter whose per-device result is `nbytes`: inner axes first."""
+        total, size = 0.0, nbytes * math.prod(self.mesh.axis_size(a) for a in axes)
+        for a in self._inner_first(axes):
+            total += reduce_scatter_time(size, self._topo[a])
+            size /= self.mesh.axis_size(a)
+        return total
+
     def all_to_all(self, nbytes: float, axes: Sequence[str]) -> float:
         return sum(all_to_all_time(nbytes, self._topo[a]) for a in axes)
 
@@ -157,6 +165,8 @@ class CommModel:
             t = self.all_gather(nbytes, axes)
         elif kind is CollectiveKind.ALL_TO_ALL:
             t = self.all_to_all(nbytes, axes)
+        elif kind is CollectiveKind.REDUCE_SCATTER:
+            t = self.reduce_scatter(nbytes, axes)
         else:
             raise ValueError(f"no cost rule for {kind} in a reshard")
         return CollectiveOp(kind, tuple(axes), int(nbytes), float(t))
@@ -192,9 +202,24 @@ def reshard_collectives(shape: Sequence[int], dtype: str, src: TensorSpec, dst: 
         elif d_dst != d_src or src.dims[d_src].index(a) != dst.dims[d_dst].index(a):
             moved.append(a)
     local = total / src.num_shards(mesh)
+    if moved and not _simple_move(src, dst, moved):
+        # XLA moves an axis with an all-to-all only when it is the minor-most split of
+        # both dimensions and nothing else changes there; otherwise it gathers what moves
+        # and slices again (SPMD "involuntary full rematerialization"): that is the cost.
+        dropped, moved = dropped + moved, []
     if moved:
         ops.append(comm.op(CollectiveKind.ALL_TO_ALL, local, moved))
     if dropped:
         gathered = local * math.prod(mesh.axis_size(a) for a in dropped)
         ops.append(comm.op(CollectiveKind.ALL_GATHER, gathered, dropped))
     return tuple(ops)
+
+
+def _simple_move(src: TensorSpec, dst: TensorSpec, moved: Sequence[str]) -> bool:
+    if len(moved) == 1:
+        a = moved[0]
+        d1, d2 = src.dim_of(a), dst.dim_of(a)
+        return (src.dims[d1][-1] == a and dst.dims[d2][-1] == a
+                and src.dims[d1][:-1] == dst.dims[d1] and dst.dims[d2][:-1] == src.dims[d2])
+    return all(src.dims[src.dim_of(a)] == (a,) and dst.dims[dst.dim_of(a)] == (a,)
+               for a in moved)

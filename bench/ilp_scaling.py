@@ -8,9 +8,14 @@ all-to-all-like time proportional to the tensor size. Node costs are compute tim
 as strategies split more, plus a random all-reduce term. Optionally, per-strategy memory and a
 budget that forces some sharding.
 
+Two tables: the default solver (presolve + MARGINAL edges) at each size, without and with a
+binding memory budget (the budget stops presolve from eliminating nodes, so the solver does
+real work); and an ablation at 300 nodes with the budget: presolve on/off × edge formulation.
+"naive vars" counts the textbook model, one variable per strategy pair of every edge.
+
 Run:
     python bench/ilp_scaling.py            # 100, 300, 1000, 3000 nodes; ~2 min on 2 cores
-    python bench/ilp_scaling.py --quick    # 100 and 300 nodes
+    python bench/ilp_scaling.py --quick    # 100 and 300 nodes, ablation at 100
 Writes bench/results/ilp_scaling.json (``--out`` to change).
 """
 
@@ -43,7 +48,10 @@ STRATEGIES = (4, 8)  # strategies per node, inclusive range
 SPECS_PER_NODE = (3, 4)  # distinct output specs among a node's strategies
 SKIP_PROBABILITY = 0.5  # chance that node i also reads node i - d, d in SKIP_DISTANCE
 SKIP_DISTANCE = (2, 10)
-TIME_LIMIT_S = 60.0  # per solve; a solve that hits it is reported as "time-limit"
+TIME_LIMIT_S = 60.0  # per solve; a solve that stops there is marked "(limit)"
+ABLATION_NODES = 300  # presolve on/off × edge formulation, with a memory budget
+QUICK_ABLATION_NODES = 100
+ABLATION_TIME_LIMIT_S = 30.0
 SEED = 0
 
 SPECS = ("R", "S0", "S1", "S01")
@@ -100,44 +108,136 @@ def naive_size(problem: ShardingProblem) -> tuple[int, int]:
     return variables, constraints
 
 
-def run_one(problem, solver, formulation, presolve, time_limit_s):
+def run_one(problem, solver, formulation=EdgeFormulation.MARGINAL, presolve=True,
+            time_limit_s=TIME_LIMIT_S) -> dict:
+    """One solve as a JSON-able dict; a solve with no solution in the limit is recorded."""
     try:
         s = solve_sharding_ilp(problem, solver, time_limit_s,
                                edge_formulation=formulation, presolve=presolve)
-    except RuntimeError as err:  # no solution within the time limit
-        return {"status": f"no solution: {err}", "time_s": None, "objective_s": None}
+    except RuntimeError as err:
+        return {"status": "no solution", "error": str(err), "time_s": None, "objective_s": None}
     return {"status": s.status, "time_s": round(s.solve_time_s, 3), "objective_s": s.objective_s,
             "variables": s.num_variables, "constraints": s.num_constraints}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="only 100 and 300 nodes")
-    parser.add_argument("--sizes", type=int, nargs="*", help="override the node counts")
-    parser.add_argument("--memory", action="store_true", help="add a binding memory budget")
-    parser.add_argument("--formulation", choices=[f.value for f in EdgeFormulation],
-                        default=EdgeFormulation.MARGINAL.value)
-    parser.add_argument("--no-presolve", action="store_true")
-    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "ilp_scaling.json"))
-    args = parser.parse_args(argv)
-    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
-    formulation = EdgeFormulation(args.formulation)
+def same_objective(a: dict, b: dict) -> bool | None:
+    """Equal to 1e-8 relative (each solver closes a 1e-9 relative gap); None if one failed."""
+    if a["objective_s"] is None or b["objective_s"] is None:
+        return None
+    return bool(np.isclose(a["objective_s"], b["objective_s"], rtol=1e-8, atol=0))
+
+
+def scaling_rows(sizes, with_memory: bool, time_limit_s: float) -> list[dict]:
     rows = []
     for n in sizes:
-        problem = random_problem(n, np.random.default_rng(SEED + n), args.memory)
+        problem = random_problem(n, np.random.default_rng(SEED + n), with_memory)
         row = {"nodes": n, "edges": len(problem.edges),
-               "strategies": sum(x.num_strategies for x in problem.nodes)}
+               "strategies": sum(x.num_strategies for x in problem.nodes),
+               "memory_budget": with_memory}
         row["naive_variables"], row["naive_constraints"] = naive_size(problem)
-        for solver in (Solver.CBC, Solver.HIGHS):
-            row[solver.value] = run_one(problem, solver, formulation, not args.no_presolve,
-                                        args.time_limit)
-        objectives = [row[s.value]["objective_s"] for s in Solver]
-        row["objectives_equal"] = None if None in objectives else bool(
-            np.isclose(objectives[0], objectives[1], rtol=1e-9, atol=0))
+        for solver in Solver:
+            row[solver.value] = run_one(problem, solver, time_limit_s=time_limit_s)
+        row["objectives_equal"] = same_objective(row["cbc"], row["highs"])
         rows.append(row)
-        print(row, file=sys.stderr, flush=True)
-    print(json.dumps(rows, indent=1))
+        print(f"  done: {n} nodes, memory budget {with_memory}", file=sys.stderr, flush=True)
+    return rows
+
+
+def ablation_rows(n: int, time_limit_s: float) -> list[dict]:
+    """Presolve on/off × edge formulation, on one instance with a binding memory budget."""
+    problem = random_problem(n, np.random.default_rng(SEED + n), with_memory=True)
+    rows = []
+    for presolve in (True, False):
+        for formulation in EdgeFormulation:
+            row = {"nodes": n, "presolve": presolve, "formulation": formulation.value}
+            for solver in Solver:
+                row[solver.value] = run_one(problem, solver, formulation, presolve, time_limit_s)
+            row["objectives_equal"] = same_objective(row["cbc"], row["highs"])
+            rows.append(row)
+            print(f"  done: ablation {formulation.value} presolve={presolve}", file=sys.stderr,
+                  flush=True)
+    return rows
+
+
+def _cell(result: dict) -> str:
+    if result["time_s"] is None:
+        return "no solution"
+    mark = "" if result["status"] == "optimal" else " (limit)"
+    return f"{result['time_s']:.2f}{mark}"
+
+
+def print_tables(scaling: list[dict], ablation: list[dict]) -> None:
+    print("| nodes | edges | strategies | budget | naive vars | vars | constraints "
+          "| CBC s | HiGHS s | same objective |")
+    print("|---:|---:|---:|:---:|---:|---:|---:|---:|---:|:---:|")
+    for r in scaling:
+        model = r["highs"] if r["highs"]["time_s"] is not None else r["cbc"]
+        print(f"| {r['nodes']} | {r['edges']} | {r['strategies']} | "
+              f"{'yes' if r['memory_budget'] else 'no'} | {r['naive_variables']} | "
+              f"{model.get('variables', '-')} | {model.get('constraints', '-')} | "
+              f"{_cell(r['cbc'])} | {_cell(r['highs'])} | {r['objectives_equal']} |")
+    if not ablation:
+        return
+    print()
+    print(f"Ablation, {ablation[0]['nodes']} nodes with a memory budget:")
+    print("| presolve | edge formulation | vars | constraints | CBC s | HiGHS s | same objective |")
+    print("|:---:|:---|---:|---:|---:|---:|:---:|")
+    for r in ablation:
+        model = r["highs"] if r["highs"]["time_s"] is not None else r["cbc"]
+        print(f"| {'on' if r['presolve'] else 'off'} | {r['formulation']} | "
+              f"{model.get('variables', '-')} | {model.get('constraints', '-')} | "
+              f"{_cell(r['cbc'])} | {_cell(r['highs'])} | {r['objectives_equal']} |")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"only {QUICK_SIZES} nodes, ablation at {QUICK_ABLATION_NODES}")
+    parser.add_argument("--sizes", type=int, nargs="+", help="override the node counts")
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S,
+                        help="seconds per solve in the scaling table")
+    parser.add_argument("--ablation-time-limit", type=float, default=ABLATION_TIME_LIMIT_S)
+    parser.add_argument("--no-ablation", action="store_true")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "ilp_scaling.json")
+    args = parser.parse_args(argv)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
+    started = time.perf_counter()
+    scaling = scaling_rows(sizes, False, args.time_limit) + scaling_rows(
+        sizes, True, args.time_limit)
+    ablation = [] if args.no_ablation else ablation_rows(
+        QUICK_ABLATION_NODES if args.quick else ABLATION_NODES, args.ablation_time_limit)
+    print_tables(scaling, ablation)
+    import highspy  # noqa: F401  (only for its version; the solves above needed it anyway)
+    import pulp
+
+    result = {
+        "benchmark": "ilp_scaling",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"processor": platform.processor(), "cpu_count": os.cpu_count(),
+                    "platform": platform.platform(), "python": platform.python_version(),
+                    "pulp": pulp.__version__, "highspy": _version("highspy")},
+        "settings": {"seed": SEED, "strategies": STRATEGIES, "specs_per_node": SPECS_PER_NODE,
+                     "skip_probability": SKIP_PROBABILITY, "skip_distance": SKIP_DISTANCE,
+                     "time_limit_s": args.time_limit,
+                     "ablation_time_limit_s": args.ablation_time_limit,
+                     "default_model": "presolve + marginal edge formulation"},
+        "scaling": scaling,
+        "ablation": ablation,
+        "wall_time_s": round(time.perf_counter() - started, 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {args.out} ({result['wall_time_s']} s)")
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 if __name__ == "__main__":

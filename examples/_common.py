@@ -34,7 +34,7 @@ import alpa_lite as al
 # knobs (each one can be overridden on the command line)
 DEFAULT_SIZE = "tiny"       # a key of the module's CONFIGS
 DEFAULT_STEPS = 5           # train steps to run (ignored with --plan-only)
-DEFAULT_METHOD = "auto"     # auto: Alpa's inter-op DP + intra-op ILP; dp: data parallel; manual: --dp x --tp
+DEFAULT_METHOD = "auto"     # auto: planner searches; dp: data parallel; manual: --dp x --tp
 DEFAULT_OPTIMIZER = "adamw"
 DEFAULT_LR = 1e-3           # adamw's default in optax; sgd may want a larger one
 DEFAULT_SEED = 0
@@ -73,7 +73,7 @@ def build_parser(module: ModuleType) -> argparse.ArgumentParser:
     doc = (module.__doc__ or "").strip()
     parser = argparse.ArgumentParser(prog=f"examples/{example_name(module)}.py",
                                      description=doc.splitlines()[0] if doc else None)
-    parser.add_argument("--size", default=DEFAULT_SIZE, choices=sorted(module.CONFIGS),
+    parser.add_argument("--size", default=DEFAULT_SIZE, choices=list(module.CONFIGS),
                         help="named model size (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help="train steps to run (default: %(default)s)")
@@ -84,16 +84,16 @@ def build_parser(module: ModuleType) -> argparse.ArgumentParser:
                              "(default: %(default)s)")
     parser.add_argument("--dp", type=int, default=None,
                         help="data-parallel degree for --method manual "
-                             "(default: number of devices // --tp)")
+                             "(default: number of devices, or of --cluster's devices, // --tp)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor (operator) parallel degree for --method manual "
                              "(default: %(default)s)")
     parser.add_argument("--plan-only", action="store_true",
                         help="plan with abstract arguments (jax.ShapeDtypeStruct); "
                              "allocate nothing and run nothing")
-    parser.add_argument("--cluster", default=None, metavar="NAME",
-                        help="cluster preset to plan for (with --plan-only); "
-                             "default: the devices JAX sees")
+    parser.add_argument("--cluster", default=None, metavar="NAME", choices=al.Cluster.presets(),
+                        help="cluster preset to plan for (with --plan-only): "
+                             f"{', '.join(al.Cluster.presets())}; default: the devices JAX sees")
     parser.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=("adamw", "sgd"),
                         help="optax optimizer (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR,
@@ -114,21 +114,18 @@ def parse_args(module: ModuleType, argv: Sequence[str] | None = None) -> argpars
         parser.error(f"--dp/--tp set the mesh of --method manual, not --method {args.method}")
     if args.tp < 1 or (args.dp is not None and args.dp < 1):
         parser.error(f"--dp and --tp must be >= 1, got --dp {args.dp} --tp {args.tp}")
-    if args.method == "manual" and args.dp is None and args.cluster is not None:
-        parser.error("--method manual with --cluster needs an explicit --dp "
-                     "(the default, devices // tp, counts the local devices)")
     if args.steps < 0:
         parser.error(f"--steps must be >= 0, got {args.steps}")
     return args
 
 
-def make_method(args: argparse.Namespace) -> Any:
+def make_method(args: argparse.Namespace, num_devices: int) -> Any:
     """The `alpa_lite` parallelization method the command line asks for."""
     if args.method == "auto":
         return al.Auto()
     if args.method == "dp":
         return al.DataParallel()
-    dp = args.dp if args.dp is not None else max(1, jax.device_count() // args.tp)
+    dp = args.dp if args.dp is not None else max(1, num_devices // args.tp)
     return al.Manual(dp=dp, tp=args.tp)
 
 
@@ -145,23 +142,27 @@ def run_example(module: ModuleType, argv: Sequence[str] | None = None) -> None:
     batch_size = args.batch_size or cfg.batch_size
     tx = make_optimizer(args.optimizer, args.lr)
 
+    cluster = al.Cluster.preset(args.cluster) if args.cluster else None
+    num_devices = cluster.num_devices if cluster else jax.device_count()
+
     # The only alpa_lite call in a training script: wrap the plain train step.
-    step = al.parallelize(module.make_train_step(cfg, tx), method=make_method(args))
+    step = al.parallelize(module.make_train_step(cfg, tx), method=make_method(args, num_devices))
 
     if args.plan_only:
         params, opt_state, batch = module.abstract_args(cfg, batch_size, tx)
-        print(f"{example_name(module)} {args.size}: {format_count(count_params(params))} parameters, "
-              f"batch {batch_size}, dtype {cfg.dtype} (abstract, nothing allocated)")
-        cluster = al.Cluster.preset(args.cluster) if args.cluster else None
+        print(f"{example_name(module)} {args.size}: {format_count(count_params(params))} "
+              f"parameters, batch {batch_size}, dtype {cfg.dtype}, planned for "
+              f"{cluster.name if cluster else 'the local devices'} (abstract, nothing allocated)")
         plan = step.plan(params, opt_state, batch, cluster=cluster)
         print(plan.summary())
         return
 
     params_key, batch_key = jax.random.split(jax.random.key(args.seed))
-    params = module.init_params(cfg, params_key)
-    opt_state = tx.init(params)
+    # jit: one compilation each instead of an eager dispatch per array
+    params = jax.jit(module.init_params, static_argnums=0)(cfg, params_key)
+    opt_state = jax.jit(tx.init)(params)
     # One synthetic batch, reused every step: the loss falling shows the step learns.
-    batch = module.make_batch(cfg, batch_size, batch_key)
+    batch = jax.jit(module.make_batch, static_argnums=(0, 1))(cfg, batch_size, batch_key)
     print(f"{example_name(module)} {args.size}: {format_count(count_params(params))} parameters, "
           f"batch {batch_size}, dtype {cfg.dtype}, {jax.device_count()} devices")
     print(step.plan(params, opt_state, batch).summary())

@@ -112,7 +112,8 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation) -> Callable:
     return train_step
 
 
-def abstract_args(cfg: Config, batch_size: int, tx: optax.GradientTransformation) -> tuple[Any, Any, Any]:
+def abstract_args(cfg: Config, batch_size: int,
+                  tx: optax.GradientTransformation) -> tuple[Any, Any, Any]:
     """(params, opt_state, batch) as `jax.ShapeDtypeStruct`s, for planning without allocating."""
     params = abstract_params(cfg)
     return params, jax.eval_shape(tx.init, params), abstract_batch(cfg, batch_size)

@@ -144,7 +144,8 @@ def lm_loss(wte: jax.Array, x: jax.Array, targets: jax.Array) -> jax.Array:
 # the model
 
 def init_params(cfg: Config, key: jax.Array) -> dict:
-    """{'wte', 'wpe', 'blocks': [{'ln_1', 'attn': {'qkv', 'proj'}, 'ln_2', 'mlp': {'fc', 'proj'}}, ...], 'ln_f'}."""
+    """{'wte', 'wpe', 'blocks': [{'ln_1', 'attn': {'qkv', 'proj'}, 'ln_2',
+    'mlp': {'fc', 'proj'}}, ...], 'ln_f'}."""
     dtype = jnp.dtype(cfg.dtype)
     H, std = cfg.hidden, cfg.init_std
     proj_std = std / (2 * cfg.num_layers) ** 0.5  # GPT-2: scale residual projections by 1/sqrt(2L)
@@ -210,7 +211,8 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation) -> Callable:
     return train_step
 
 
-def abstract_args(cfg: Config, batch_size: int, tx: optax.GradientTransformation) -> tuple[Any, Any, Any]:
+def abstract_args(cfg: Config, batch_size: int,
+                  tx: optax.GradientTransformation) -> tuple[Any, Any, Any]:
     """(params, opt_state, batch) as `jax.ShapeDtypeStruct`s, for planning without allocating."""
     params = abstract_params(cfg)
     return params, jax.eval_shape(tx.init, params), abstract_batch(cfg, batch_size)

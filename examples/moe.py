@@ -64,7 +64,8 @@ class Config:
     @property
     def capacity(self) -> int:
         """Slots per expert per group: each token takes up to 2 slots, spread over E experts."""
-        return max(1, math.ceil(self.capacity_factor * 2 * self.expert_group_size / self.num_experts))
+        slots = self.capacity_factor * 2 * self.expert_group_size / self.num_experts
+        return max(1, math.ceil(slots))
 
     def is_moe_layer(self, i: int) -> bool:
         return i % 2 == 0
@@ -249,7 +250,8 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation) -> Callable:
     return train_step
 
 
-def abstract_args(cfg: Config, batch_size: int, tx: optax.GradientTransformation) -> tuple[Any, Any, Any]:
+def abstract_args(cfg: Config, batch_size: int,
+                  tx: optax.GradientTransformation) -> tuple[Any, Any, Any]:
     """(params, opt_state, batch) as `jax.ShapeDtypeStruct`s, for planning without allocating."""
     params = abstract_params(cfg)
     return params, jax.eval_shape(tx.init, params), abstract_batch(cfg, batch_size)

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 import math
 import re
 import tempfile
@@ -651,20 +652,28 @@ def _move_edge_minima_into_nodes(work: _Work, u: int, v: int) -> None:
 
 def _reduce_until_stable(work: _Work) -> None:
     """Run P3–P5 on a worklist: a node is revisited whenever a neighbour changed."""
-    pending = set(work.strategies)
-    while pending:
-        v = min(pending)  # deterministic order
-        pending.discard(v)
+    heap = sorted(work.strategies)  # a min-heap: lowest node id first, deterministic
+    queued = set(heap)
+
+    def revisit(nodes):
+        for w in nodes:
+            if w not in queued:
+                queued.add(w)
+                heapq.heappush(heap, w)
+
+    while heap:
+        v = heapq.heappop(heap)
+        queued.discard(v)
         if v not in work.strategies:
             continue
         neighbours = set(work.neighbours[v])
         if len(work.strategies[v]) == 1:
             _fold_fixed_node(work, v)
-            pending |= neighbours
+            revisit(neighbours)
         elif _drop_dominated_strategies(work, v):
-            pending |= neighbours | {v}
+            revisit(neighbours | {v})
         elif len(neighbours) <= 2 and not work.memory_matters(v) and _eliminate_node(work, v):
-            pending |= neighbours
+            revisit(neighbours)
 
 
 def _fold_fixed_node(work: _Work, v: int) -> None:
@@ -948,8 +957,14 @@ def _make_backend(solver: Solver, time_limit_s: float):
                 "`pip install highspy` (or `pip install alpa_lite[highs]`), or pass "
                 "solver=Solver.CBC to use the CBC solver that ships with PuLP."
             ) from None
-        return pulp.HiGHS(msg=False, timeLimit=float(time_limit_s), gapRel=MIP_RELATIVE_GAP,
-                          gapAbs=0.0)
+        backend = pulp.HiGHS(msg=False, timeLimit=float(time_limit_s), gapRel=MIP_RELATIVE_GAP,
+                             gapAbs=0.0)
+        if not backend.available():  # highspy was installed after PuLP was imported
+            raise SolverUnavailableError(
+                "Solver.HIGHS: PuLP did not find highspy when it was imported; restart Python "
+                "after `pip install highspy`, or pass solver=Solver.CBC."
+            )
+        return backend
     with warnings.catch_warnings():
         # PuLP 3.3 warns that PULP_CBC_CMD (its bundled CBC binary) goes away in PuLP 4.0.
         warnings.simplefilter("ignore", DeprecationWarning)

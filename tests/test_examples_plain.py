@@ -9,6 +9,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import functools
 import pathlib
 import re
 import sys
@@ -44,6 +45,7 @@ def _name(module):
     return module.__name__
 
 
+@functools.lru_cache(maxsize=None)
 def _tiny(module):
     cfg = module.CONFIGS["tiny"]
     # rbg keys: XLA compiles RngBitGenerator several times faster than threefry on CPU;
@@ -74,7 +76,7 @@ def test_module_api(module):
 def test_tiny_trains_under_plain_jit(module):
     cfg, params, batch = _tiny(module)
     tx = optax.adam(1e-2)
-    opt_state = tx.init(params)
+    opt_state = jax.jit(tx.init)(params)
     step = jax.jit(module.make_train_step(cfg, tx))
     losses = []
     for _ in range(3):  # the same batch every step: the loss must fall
