@@ -552,7 +552,7 @@ def _assemble(graph, units, groups, group_of, choices, mesh, cluster, cache, nam
         colls.extend(st.collectives)
         compute += st.compute_s
     operand_specs = []
-    done: set[tuple[int, TensorSpec]] = set()
+    done: set[tuple] = set()
     for node in graph.nodes:
         st = chosen[off + node.id]
         for pos, tid in enumerate(node.inputs):
@@ -561,11 +561,15 @@ def _assemble(graph, units, groups, group_of, choices, mesh, cluster, cache, nam
             src, dst = spec_of(tid), st.in_specs[pos]
             if src != dst:
                 operand_specs.append((node.id, pos, dst))
-                # XLA reshards a value once per target spec, however many ops read it.
-                if (tid, dst) not in done:
-                    done.add((tid, dst))
-                    t = graph.tensors[tid]
-                    colls.extend(reshard_collectives(t.shape, t.dtype, src, dst, units.comm))
+                t = graph.tensors[tid]
+                # XLA runs a collective on a value once, however many reshards of it need
+                # it (gathering x for a replicated and for a batch-split reader is one
+                # all-gather). The ILP charges each reader; the plan reports what runs.
+                for c in reshard_collectives(t.shape, t.dtype, src, dst, units.comm):
+                    key = (tid, c.kind, c.axes, c.nbytes)
+                    if key not in done:
+                        done.add(key)
+                        colls.append(c)
     input_specs = tuple(spec_of(t) for t in graph.inputs)
     output_specs = []
     for out_pos, tid in enumerate(graph.outputs):

@@ -101,8 +101,10 @@ def _elementwise(L, prim, params, ins, outs):
     for s in ins:
         if s is None or len(s) == 0:
             operands.append(None)
-        elif tuple(s) == tuple(shape):
-            operands.append(labels)
+        elif len(s) == len(shape) and all(a == b or a == 1 for a, b in zip(s, shape)):
+            # A size-1 dimension broadcasts against the result's: it gets its own label.
+            operands.append(tuple(l if a == b else L.new(1)
+                                  for l, a, b in zip(labels, s, shape)))
         else:
             return None
     return DimLabels(tuple(operands), (labels,) * len(outs), L.sizes)
@@ -294,28 +296,67 @@ def _dims_param_fixed(key):
     return fn
 
 
+def _windowed(L, prim, params, ins, outs):
+    """reduce_window_* and select_and_scatter_add: a dimension the window slides over
+    (window or stride > 1, or padded) stays whole; the others split freely."""
+    window = params.get("window_dimensions")
+    strides = params.get("window_strides")
+    padding = params.get("padding")
+    dilation = params.get("window_dilation") or params.get("base_dilation")
+    rank = len(outs[0])
+    free = [window[d] == 1 and strides[d] == 1 and tuple(padding[d]) == (0, 0)
+            and (dilation is None or dilation[d] == 1) for d in range(rank)]
+    out = L.fresh(outs[0])
+    operands = []
+    fixed = {out[d] for d in range(rank) if not free[d]}
+    for s in ins:
+        if s is None or len(s) != rank:
+            operands.append(None)
+            continue
+        lab = tuple(out[d] if free[d] and s[d] == outs[0][d] else L.new(s[d])
+                    for d in range(rank))
+        fixed |= {l for l in lab if l not in out}
+        operands.append(lab)
+    return DimLabels(tuple(operands), (out,) * len(outs), L.sizes, fixed=frozenset(fixed),
+                     reduce_kind=None)
+
+
 def _iota(L, prim, params, ins, outs):
     return DimLabels((), (L.fresh(outs[0]),), L.sizes)
+
+
+def _index_dims(indices: Sequence[int], n_batch: int) -> list[int] | None:
+    """The dimensions of a gather/scatter index array that enumerate lookups (all but the
+    trailing index-vector dimension)."""
+    if len(indices) == n_batch + 1:
+        return list(range(len(indices) - 1))
+    if len(indices) == n_batch:
+        return list(range(len(indices)))
+    return None
 
 
 def _gather(L, prim, params, ins, outs):
     operand, indices = ins
     dn = params["dimension_numbers"]
-    if operand is None or indices is None or getattr(dn, "operand_batching_dims", ()):
+    if operand is None or indices is None:
         return None
     out = list(L.fresh(outs[0]))
     ol = list(L.fresh(operand))
     il = list(L.fresh(indices))
     offset_dims = list(dn.offset_dims)
     batch_out = [d for d in range(len(outs[0])) if d not in offset_dims]
-    idx_dims = [d for d in range(len(indices)) if d != len(indices) - 1] \
-        if len(indices) == len(batch_out) + 1 else list(range(len(indices)))
-    if len(idx_dims) != len(batch_out):
+    idx_dims = _index_dims(indices, len(batch_out))
+    if idx_dims is None:
         return None
     for od, idd in zip(batch_out, idx_dims):
         il[idd] = out[od]
     fixed = {il[d] for d in range(len(indices)) if d not in idx_dims}
-    window = [d for d in range(len(operand)) if d not in dn.collapsed_slice_dims]
+    # Batching dims (take_along_axis): operand dim i pairs with an index dim.
+    op_batch = tuple(getattr(dn, "operand_batching_dims", ()))
+    for od, idd in zip(op_batch, getattr(dn, "start_indices_batching_dims", ())):
+        ol[od] = il[idd]
+    window = [d for d in range(len(operand))
+              if d not in dn.collapsed_slice_dims and d not in op_batch]
     slice_sizes = params["slice_sizes"]
     for od, wd in zip(offset_dims, window):
         if slice_sizes[wd] == operand[wd] and wd not in dn.start_index_map:
@@ -330,21 +371,24 @@ def _gather(L, prim, params, ins, outs):
 def _scatter(L, prim, params, ins, outs):
     operand, indices, updates = ins[0], ins[1], ins[2]
     dn = params["dimension_numbers"]
-    if None in (operand, indices, updates) or getattr(dn, "operand_batching_dims", ()):
+    if None in (operand, indices, updates):
         return None
-    out = L.fresh(outs[0])
+    out = list(L.fresh(outs[0]))
     ul = list(L.fresh(updates))
     il = list(L.fresh(indices))
     window = list(dn.update_window_dims)
     scatter_dims = [d for d in range(len(updates)) if d not in window]
-    idx_dims = [d for d in range(len(indices)) if d != len(indices) - 1] \
-        if len(indices) == len(scatter_dims) + 1 else list(range(len(indices)))
-    if len(idx_dims) != len(scatter_dims):
+    idx_dims = _index_dims(indices, len(scatter_dims))
+    if idx_dims is None:
         return None
     for ud, idd in zip(scatter_dims, idx_dims):
         il[idd] = ul[ud]
     fixed = {il[d] for d in range(len(indices)) if d not in idx_dims}
-    op_window = [d for d in range(len(operand)) if d not in dn.inserted_window_dims]
+    op_batch = tuple(getattr(dn, "operand_batching_dims", ()))
+    for od, idd in zip(op_batch, getattr(dn, "scatter_indices_batching_dims", ())):
+        out[od] = il[idd]
+    op_window = [d for d in range(len(operand))
+                 if d not in dn.inserted_window_dims and d not in op_batch]
     for ud, od in zip(window, op_window):
         if updates[ud] == operand[od] and od not in dn.scatter_dims_to_operand_dims:
             ul[ud] = out[od]
@@ -353,7 +397,8 @@ def _scatter(L, prim, params, ins, outs):
     fixed |= {out[d] for d in dn.scatter_dims_to_operand_dims}
     is_add = prim in ("scatter-add", "scatter_add")
     if not is_add:
-        fixed |= {ul[d] for d in scatter_dims}
+        fixed |= {ul[d] for d in scatter_dims if ul[d] not in out}
+    out = tuple(out)
     return DimLabels((out, tuple(il), tuple(ul)), (out,), L.sizes, fixed=frozenset(fixed),
                      reduce_kind="sum" if is_add else None)
 
@@ -377,6 +422,12 @@ _RULES = {
     "sort": _same_rank_with_fixed(_dims_param_fixed("dimension")),
     "split": _same_rank_with_fixed(_dims_param_fixed("axis")),
     "gather": _gather,
+    "reduce_window_sum": _windowed,
+    "reduce_window_max": _windowed,
+    "reduce_window_min": _windowed,
+    "reduce_window": _windowed,
+    "select_and_scatter_add": _windowed,
+    "select_and_gather_add": _windowed,
     "scatter-add": _scatter,
     "scatter_add": _scatter,
     "scatter": _scatter,

@@ -50,17 +50,20 @@ class StageExecutable:
         env: dict[int, Any] = dict(zip(g.inputs, flat_args))
         env.update(tr.consts)
         for node, prim in zip(g.nodes, tr.primitives):
-            args = []
-            for pos, t in enumerate(node.inputs):
-                x = tr.literals[(node.id, pos)] if t is None else env[t]
-                s = self._operand.get((node.id, pos))
-                args.append(x if s is None else wsc(x, s))
-            outs = prim.bind(*args, **prim.get_bind_params(dict(node.params)))
-            if not prim.multiple_results:
-                outs = [outs]
-            for t, o in zip(node.outputs, outs):
-                s = self._tensor.get(t)
-                env[t] = o if s is None else wsc(o, s)
+            # The scope names the graph node in the HLO metadata, to trace a collective
+            # back to the plan.
+            with jax.named_scope(node.name):
+                args = []
+                for pos, t in enumerate(node.inputs):
+                    x = tr.literals[(node.id, pos)] if t is None else env[t]
+                    s = self._operand.get((node.id, pos))
+                    args.append(x if s is None else wsc(x, s))
+                outs = prim.bind(*args, **prim.get_bind_params(dict(node.params)))
+                if not prim.multiple_results:
+                    outs = [outs]
+                for t, o in zip(node.outputs, outs):
+                    s = self._tensor.get(t)
+                    env[t] = o if s is None else wsc(o, s)
         return tuple(env[t] for t in g.outputs)
 
     def put_args(self, flat_args: Sequence[Any]) -> list[Any]:

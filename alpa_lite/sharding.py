@@ -209,9 +209,14 @@ def reshard_collectives(shape: Sequence[int], dtype: str, src: TensorSpec, dst: 
         dropped, moved = dropped + moved, []
     if moved:
         ops.append(comm.op(CollectiveKind.ALL_TO_ALL, local, moved))
-    if dropped:
-        gathered = local * math.prod(mesh.axis_size(a) for a in dropped)
-        ops.append(comm.op(CollectiveKind.ALL_GATHER, gathered, dropped))
+    # XLA gathers one dimension at a time, the last dimension first; the axes that split
+    # one dimension are gathered together.
+    size = local
+    for d in reversed(range(src.rank)):
+        axes = [a for a in src.dims[d] if a in dropped]
+        if axes:
+            size *= math.prod(mesh.axis_size(a) for a in axes)
+            ops.append(comm.op(CollectiveKind.ALL_GATHER, size, axes))
     return tuple(ops)
 
 

@@ -5,7 +5,8 @@ JAX + optax train step; its `main` hands the module to `run_example`, which does
 
     python examples/gpt.py                               # tiny GPT, auto plan, 5 steps on CPU
     python examples/gpt.py --method manual --dp 4 --tp 2
-    python examples/gpt.py --size 6.7B --plan-only --cluster NAME   # plan only, nothing allocated
+    python examples/gpt.py --size 2.6B --plan-only --cluster 8xA100 --batch-size 32
+                                                       # plan only, nothing allocated
 
 Without --plan-only the steps run on the devices JAX sees: by default 8 virtual CPU devices
 (XLA_FLAGS below), so the multi-device plans can be tried on a laptop.

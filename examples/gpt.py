@@ -10,7 +10,7 @@ Sizes 125M ... 39B are the GPT-3-style models of the Alpa paper's GPT benchmark
 `gpt_specs`): seq 1024, vocab 51200.
 
     python examples/gpt.py                                   # tiny, 5 steps on 8 CPU devices
-    python examples/gpt.py --size 2.6B --plan-only --cluster NAME
+    python examples/gpt.py --size 2.6B --plan-only --cluster 8xA100 --batch-size 32
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class Config:
     num_heads: int = 12         # head_dim = hidden // num_heads
     dtype: str = "float32"      # parameter and activation dtype; losses and softmax are float32
     batch_size: int = 1024      # global batch, sequences (Alpa's GPT benchmark uses 1024)
+                                # (Alpa splits it into micro-batches; plan a smaller
+                                # --batch-size where the planner has none)
     init_std: float = 0.02      # GPT-2's normal init; residual projections get std/sqrt(2L)
     layer_norm_eps: float = 1e-5
 

@@ -18,7 +18,7 @@ Differences from Alpa's model: a causal decoder with pre-LN (Alpa's is BERT-styl
 the load-balancing loss, which Alpa's `top2_gating` leaves as a TODO, is GShard's.
 
     python examples/moe.py                                   # tiny, 5 steps on 8 CPU devices
-    python examples/moe.py --size 10B --plan-only --cluster NAME
+    python examples/moe.py --size 690M --plan-only --cluster 8xA100 --batch-size 16
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ class Config:
     aux_loss_weight: float = 0.01  # weight of the load-balancing loss (GShard uses 0.01)
     dtype: str = "float32"      # parameter and activation dtype; gating and losses are float32
     batch_size: int = 1024      # global batch, sequences (Alpa's MoE benchmark uses 1024)
+                                # (Alpa splits it into micro-batches; plan a smaller
+                                # --batch-size where the planner has none)
     init_std: float = 0.02
 
     @property

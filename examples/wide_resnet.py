@@ -11,7 +11,7 @@ Sizes 250M ... 13B are the Alpa paper's Wide-ResNets (Zheng et al., OSDI 2022, T
 alpa `benchmark/alpa/suite_wresnet.py`, `wresnet_specs`): 224x224 images, 1024 classes.
 
     python examples/wide_resnet.py                           # tiny, 5 steps on 8 CPU devices
-    python examples/wide_resnet.py --size 2B --plan-only --cluster NAME
+    python examples/wide_resnet.py --size 1B --plan-only --cluster 8xA100 --batch-size 64
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class Config:
     in_channels: int = 3        # RGB
     dtype: str = "float32"      # parameter and activation dtype; normalisation stats in float32
     batch_size: int = 1536      # global batch, images (Alpa's Wide-ResNet benchmark uses 1536)
+                                # (Alpa splits it into micro-batches; plan a smaller
+                                # --batch-size where the planner has none)
     norm_eps: float = 1e-5
 
     def __post_init__(self):

@@ -31,7 +31,8 @@ P4  Dominated strategies (dead-end elimination, Goldstein criterion). Strategy s
     dropped when some surviving t of v satisfies
         c_v[s] − c_v[t] + Σ_(v,w)∈E min_j (C_vw[s,j] − C_vw[t,j]) ≥ 0    (and m_v[s] ≥ m_v[t]
     when the memory constraint can bind): whatever the neighbours choose, t costs no more
-    than s. This is implied by, and stronger than, "every cost of s is ≥ that of t".
+    than s. It drops everything the plain test "every cost of s is ≥ that of t" drops, and
+    more.
                                                                       → ``_drop_dominated_strategies``
 P5  Variable elimination, only for nodes whose memory is the same in every strategy (or with
     no binding memory constraint). A node with one neighbour w is replaced by the cost
@@ -69,7 +70,11 @@ each e_pq with C_pq > 0 down to max(0, X_p + Y_q − 1) = X_p·Y_q; MARGINAL bec
 non-negative matrix with one-hot row and column sums is X Yᵀ. PRODUCT_BOUND has fewer
 variables but a weak LP relaxation (x = 1/n_v everywhere makes every e zero), so the solver
 branches a lot; MARGINAL is the "local polytope" relaxation, exact on trees and tight on
-near-trees, and is much faster on chain-plus-skip graphs (see ``bench/ilp_scaling.py``).
+near-trees, and is much faster on chain-plus-skip graphs. Measured by ``bench/ilp_scaling.py``
+(2 cores, 300 nodes, binding memory budget, no presolve): MARGINAL 6.3k variables, CBC 1.2 s,
+HiGHS 0.7 s; PRODUCT_BOUND 4.3k variables, CBC stopped at its 30 s limit, HiGHS 2.2 s. With
+presolve + MARGINAL, 3000 nodes (18k strategies) take ~1.5 s without a budget and CBC 25 s /
+HiGHS 12 s with one.
 
 Numerics: objective and memory rows are scaled so their largest coefficient is 1 before the
 solver sees them. The solver only decides the choices: ``ShardingSolution.objective_s`` and

@@ -374,3 +374,32 @@ def test_describe_lists_choices():
     problem = ShardingProblem((ILPNode("mm", (2.0, 1.0), strategy_names=("R", "S0")),), ())
     text = solve_sharding_ilp(problem, Solver.HIGHS).describe(problem)
     assert "mm: S0 (1 s)" in text
+
+
+@pytest.mark.parametrize(
+    "solution_status, expect",
+    [(1, "optimal"), (2, "time-limit (feasible)"), (0, "larger time_limit_s")],
+)
+def test_solver_status_is_reported(monkeypatch, solution_status, expect):
+    """Stopping at the time limit: a feasible answer is returned and marked, none raises."""
+    import pulp
+
+    assert (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible,
+            pulp.LpSolutionNoSolutionFound) == (1, 2, 0)
+    real_solve = pulp.LpProblem.solve
+
+    def solve_then_pretend(self, backend):
+        real_solve(self, backend)
+        self.sol_status = solution_status
+
+    monkeypatch.setattr(pulp.LpProblem, "solve", solve_then_pretend)
+    problem = ShardingProblem(
+        (ILPNode("a", (1.0, 2.0)), ILPNode("b", (2.0, 1.0))),
+        (ILPEdge(0, 1, np.array([[0.0, 5.0], [5.0, 0.0]])),),
+    )
+    if solution_status == 0:
+        with pytest.raises(RuntimeError, match=expect):
+            solve_sharding_ilp(problem, Solver.HIGHS, presolve=False)
+    else:
+        solution = solve_sharding_ilp(problem, Solver.HIGHS, presolve=False)
+        assert solution.status == expect and solution.objective_s == 3.0
