@@ -24,6 +24,7 @@ The problem is kept small the way Alpa does it, made systematic:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Callable, Sequence
@@ -61,7 +62,7 @@ class Strategy:
     def comm_s(self) -> float:
         return sum(c.time_s for c in self.collectives)
 
-    @property
+    @functools.cached_property
     def cost_s(self) -> float:
         return self.compute_s + self.comm_s
 
@@ -88,6 +89,7 @@ class StageResult:
     unsharded_primitives: tuple[str, ...]
     nodes_before_merge: int
     nodes_after_merge: int
+    ilp_nodes: int
     ilp_variables: int
     ilp_constraints: int
     build_s: float
@@ -112,10 +114,22 @@ class _Units:
         self.strategies: list[list[Strategy]] = []
         for tid in self.source_tensors:
             self.strategies.append(self._input_strategies(graph.tensors[tid], pin))
+        # Repeated layers repeat their operators: enumerate each distinct operator once and
+        # share the list (the follow-choice memo below keys on the shared list too).
+        by_key: dict[tuple, list[Strategy]] = {}
+        filtered: dict[tuple, list[Strategy]] = {}
         for node in graph.nodes:
-            strategies = self._node_strategies(node)
+            key = _structural_key(graph, node)
+            if key not in by_key:
+                by_key[key] = self._node_strategies(node)
+            strategies = by_key[key]
             if node_pin is not None:
-                strategies = [st for st in strategies if node_pin(node, st)] or strategies
+                kept = tuple(i for i, st in enumerate(strategies) if node_pin(node, st))
+                if kept and len(kept) < len(strategies):
+                    fkey = (id(strategies), kept)
+                    if fkey not in filtered:
+                        filtered[fkey] = [strategies[i] for i in kept]
+                    strategies = filtered[fkey]
             self.strategies.append(strategies)
 
     def producer_unit(self, tid: int) -> int:
@@ -213,6 +227,19 @@ class _Units:
         return variants
 
 
+def _structural_key(graph: OpGraph, node: Node) -> tuple:
+    """Two nodes with equal keys have equal strategies (same primitive, parameters,
+    operand and result types, work)."""
+    params = []
+    for k, v in sorted(node.params.items()):
+        params.append((k, v if isinstance(v, (int, float, str, bool, type(None))) else
+                       id(v) if hasattr(v, "eqns") or hasattr(v, "jaxpr") else repr(v)))
+    ins = tuple(None if t is None else (graph.tensors[t].shape, graph.tensors[t].dtype)
+                for t in node.inputs)
+    outs = tuple((graph.tensors[t].shape, graph.tensors[t].dtype) for t in node.outputs)
+    return (node.primitive, ins, outs, tuple(params), node.flops, node.bytes_accessed)
+
+
 def _reshard_cost(units: _Units, t: Tensor, src: TensorSpec, dst: TensorSpec | None,
                   cache: dict) -> float:
     if dst is None or src == dst:
@@ -305,6 +332,8 @@ def _build_groups(graph: OpGraph, units: _Units, follow, cache) -> tuple[list[_G
     def resolved(target: int) -> bool:
         return target in group_of
 
+    shared_memo: dict[tuple, tuple[int, float]] = {}
+
     # Forward followers in program order, then backward followers from the end; a chain
     # whose target is not resolved yet is retried, and anything left becomes a leader.
     pending = sorted(follow)
@@ -326,9 +355,12 @@ def _build_groups(graph: OpGraph, units: _Units, follow, cache) -> tuple[list[_G
                 def pick(ts, u=u, t=t, k=k, target=target, pos=pos, memo=memo):
                     if ts not in memo:
                         src = units.strategies[target][ts].out_specs[k]
-                        memo[ts] = _follow_choice(
-                            units.strategies[u], lambda st: st.in_specs[pos], src,
-                            lambda st: _reshard_cost(units, t, src, st.in_specs[pos], cache))
+                        key = ("fwd", id(units.strategies[u]), pos, src, t.shape, t.dtype)
+                        if key not in shared_memo:
+                            shared_memo[key] = _follow_choice(
+                                units.strategies[u], lambda st: st.in_specs[pos], src,
+                                lambda st: _reshard_cost(units, t, src, st.in_specs[pos], cache))
+                        memo[ts] = shared_memo[key]
                     return memo[ts]
             else:
                 node = graph.nodes[target - off]
@@ -340,9 +372,12 @@ def _build_groups(graph: OpGraph, units: _Units, follow, cache) -> tuple[list[_G
                 def pick(ts, u=u, t=t, k=k, target=target, pos=pos, memo=memo):
                     if ts not in memo:
                         dst = units.strategies[target][ts].in_specs[pos]
-                        memo[ts] = _follow_choice(
-                            units.strategies[u], lambda st: st.out_specs[k], dst,
-                            lambda st: _reshard_cost(units, t, st.out_specs[k], dst, cache))
+                        key = ("bwd", id(units.strategies[u]), k, dst, t.shape, t.dtype)
+                        if key not in shared_memo:
+                            shared_memo[key] = _follow_choice(
+                                units.strategies[u], lambda st: st.out_specs[k], dst,
+                                lambda st: _reshard_cost(units, t, st.out_specs[k], dst, cache))
+                        memo[ts] = shared_memo[key]
                     return memo[ts]
             attach(u, target, pick)
             progress = True
@@ -417,7 +452,8 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
                pin: InputPin | None = None, node_pin: NodePin | None = None,
                memory_budget_bytes: float | None = None,
                solver: Solver = Solver.HIGHS, time_limit_s: float = 60.0,
-               tensor_names: dict[int, str] | None = None) -> StageResult:
+               tensor_names: dict[int, str] | None = None,
+               tie_repeated: bool = True) -> StageResult:
     """Solves the intra-op sharding problem of `graph` on `mesh`.
 
     Args:
@@ -429,6 +465,8 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
       memory_budget_bytes: per-device limit, or None.
       solver, time_limit_s: for the ILP.
       tensor_names: readable names for the sharding table (default: tensor names).
+      tie_repeated: give structurally identical groups (the same operator in each of a
+        model's repeated layers) one shared choice; see `_repeated_group_classes`.
 
     Returns:
       The `StageResult`, whose `stage` is ready for the runtime.
@@ -462,22 +500,47 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
     # Edges: every tensor read that is not a follow link.
     edges: dict[tuple[int, int], np.ndarray] = {}
 
-    def add_edge(pu: int, k: int, t: Tensor, cu: int, dst_of: Callable[[int], TensorSpec | None]):
+    # Repeated layers repeat their edges: spec columns and cost matrices are memoised on
+    # interned tuples, so each distinct edge is costed once.
+    for g in groups:
+        g.choice = {u: tuple(c) for u, c in g.choice.items()}
+    interned: dict[tuple, tuple] = {}
+    columns: dict[tuple, tuple] = {}
+
+    def column(u: int, g: _Group, side: str, k: int) -> tuple:
+        key = (id(units.strategies[u]), g.choice[u], side, k)
+        if key not in columns:
+            strategies = units.strategies[u]
+            col = tuple((strategies[i].out_specs[k] if side == "out" else strategies[i].in_specs[k])
+                        for i in g.choice[u])
+            columns[key] = interned.setdefault(col, col)
+        return columns[key]
+
+    matrices: dict[tuple, np.ndarray | None] = {}
+
+    def cost_matrix(t: Tensor, src: tuple, dst: tuple) -> np.ndarray | None:
+        key = (id(src), id(dst), t.shape, t.dtype)
+        if key not in matrices:
+            src_idx = {sp: i for i, sp in enumerate(dict.fromkeys(src))}
+            dst_idx = {sp: i for i, sp in enumerate(dict.fromkeys(dst))}
+            small = np.array([[_reshard_cost(units, t, a, b, cache) for b in dst_idx]
+                              for a in src_idx])
+            matrices[key] = small[np.ix_([src_idx[x] for x in src], [dst_idx[x] for x in dst])] \
+                if small.any() else None
+        return matrices[key]
+
+    def add_edge(pu: int, k: int, t: Tensor, cu: int, side: str, pos: int) -> None:
         gp, gc = groups[group_of[pu]], groups[group_of[cu]]
-        src_specs = [units.strategies[pu][gp.choice[pu][s]].out_specs[k] for s in range(len(gp.cost))]
+        src = column(pu, gp, "out", k)
+        dst = column(cu, gc, side, pos)
         if gp is gc:
-            for s in range(len(gp.cost)):
-                gp.cost[s] += _reshard_cost(units, t, src_specs[s], dst_of(s), cache)
+            for s_, (a, b) in enumerate(zip(src, dst)):
+                gp.cost[s_] += _reshard_cost(units, t, a, b, cache)
             return
-        dst_specs = [dst_of(s) for s in range(len(gc.cost))]
-        src_idx = {sp: i for i, sp in enumerate(dict.fromkeys(src_specs))}
-        dst_idx = {sp: i for i, sp in enumerate(dict.fromkeys(dst_specs))}
-        small = np.array([[_reshard_cost(units, t, a, b, cache) for b in dst_idx] for a in src_idx])
-        if not small.any():
-            return
-        m = small[np.ix_([src_idx[s] for s in src_specs], [dst_idx[s] for s in dst_specs])]
-        key = (group_of[pu], group_of[cu])
-        edges[key] = edges.get(key, 0) + m
+        m = cost_matrix(t, src, dst)
+        if m is not None:
+            key = (group_of[pu], group_of[cu])
+            edges[key] = edges.get(key, 0) + m
 
     for node in graph.nodes:
         cu = off + node.id
@@ -491,29 +554,22 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
             f = follow.get(pu)
             if f is not None and f[0] == "bwd" and f[1] == cu and f[2] == pos:
                 continue
-            gc = groups[group_of[cu]]
-            add_edge(pu, units.out_index(pu, tid), graph.tensors[tid], cu,
-                     lambda s, cu=cu, pos=pos, gc=gc:
-                     units.strategies[cu][gc.choice[cu][s]].in_specs[pos])
+            add_edge(pu, units.out_index(pu, tid), graph.tensors[tid], cu, "in", pos)
     for out_pos, in_pos in enumerate(graph.output_ties):
         if in_pos is None:
             continue
         tid = graph.outputs[out_pos]
         iu = units.unit_of_source[graph.inputs[in_pos]]
         pu = units.producer_unit(tid)
-        gi = groups[group_of[iu]]
-        add_edge(pu, units.out_index(pu, tid), graph.tensors[tid], iu,
-                 lambda s, iu=iu, gi=gi: units.strategies[iu][gi.choice[iu][s]].out_specs[0])
+        add_edge(pu, units.out_index(pu, tid), graph.tensors[tid], iu, "out", 0)
 
-    problem = ShardingProblem(
-        nodes=tuple(ILPNode(name=_unit_name(graph, units, g.leader),
-                            costs=tuple(float(c) for c in g.cost),
-                            memory=tuple(float(m) for m in g.memory)) for g in groups),
-        edges=tuple(ILPEdge(a, b, m) for (a, b), m in sorted(edges.items())),
-        memory_budget_bytes=memory_budget_bytes)
+    cls = _repeated_group_classes(graph, units, groups, edges) if tie_repeated \
+        else list(range(len(groups)))
+    problem = _tied_problem(graph, units, groups, edges, cls, memory_budget_bytes)
     build_s = time.perf_counter() - t0
     try:
-        sol = solve_sharding_ilp(problem, solver=solver, time_limit_s=time_limit_s)
+        tied = solve_sharding_ilp(problem, solver=solver, time_limit_s=time_limit_s)
+        sol = dataclasses.replace(tied, choices=tuple(tied.choices[c] for c in cls))
     except InfeasibleMemoryError as e:
         raise PlanningError(
             f"no sharding on mesh {mesh.shape} fits the memory budget of "
@@ -525,8 +581,84 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
     return StageResult(stage=stage, objective_s=sol.objective_s,
                        unsharded_primitives=tuple(sorted(units.unsharded)),
                        nodes_before_merge=len(units.strategies), nodes_after_merge=len(groups),
+                       ilp_nodes=len(problem.nodes),
                        ilp_variables=sol.num_variables, ilp_constraints=sol.num_constraints,
                        build_s=build_s, solve_s=sol.solve_time_s)
+
+
+def _group_signature(graph: OpGraph, units: _Units, g: _Group) -> tuple:
+    sig = []
+    for u in g.members:
+        if u < units.offset:
+            t = graph.tensors[units.source_tensors[u]]
+            sig.append((t.shape, t.dtype, t.role.value,
+                        tuple(st.out_specs for st in units.strategies[u])))
+        else:
+            sig.append(id(units.strategies[u]))
+    return (tuple(sig), tuple(g.choice[u] for u in g.members))
+
+
+def _repeated_group_classes(graph: OpGraph, units: _Units, groups: list[_Group],
+                            edges: dict[tuple[int, int], np.ndarray], rounds: int = 4
+                            ) -> list[int]:
+    """Classes of groups that play the same part in repeated layers.
+
+    A model's repeated blocks (transformer layers, residual blocks) yield groups with the
+    same operators, strategies and costs. Refining "same members" by the classes of each
+    group's neighbours for a few rounds (colour refinement, as in the Weisfeiler-Lehman
+    test) separates the first and last blocks, which touch the embedding or the loss, from
+    the interior ones. Groups of one class then share one ILP choice: every interior layer
+    gets the same sharding, as in every hand-written plan, and the ILP shrinks by the layer
+    count. Groups whose costs differ never share a class.
+    """
+    colour: list = []
+    for g in groups:
+        colour.append(hash((_group_signature(graph, units, g), g.cost.tobytes(),
+                            g.memory.tobytes())))
+    nbrs: list[list[tuple]] = [[] for _ in groups]
+    for (a, b), m in edges.items():
+        h = hash(m.tobytes())
+        nbrs[a].append(("out", b, h))
+        nbrs[b].append(("in", a, h))
+    for _ in range(rounds):
+        colour = [hash((colour[i], tuple(sorted((d, colour[j], h) for d, j, h in nbrs[i]))))
+                  for i in range(len(groups))]
+    first: dict = {}
+    classes = []
+    for i, c in enumerate(colour):
+        classes.append(first.setdefault(c, len(first)))
+    return classes
+
+
+def _tied_problem(graph, units, groups, edges, cls, memory_budget_bytes) -> ShardingProblem:
+    """The ILP over group classes: costs and memory add up over a class's members; an edge
+    inside a class is charged on the diagonal (both ends make the same choice)."""
+    n = max(cls) + 1 if cls else 0
+    cost: list = [None] * n
+    memory: list = [None] * n
+    leader = [0] * n
+    for i, g in enumerate(groups):
+        c = cls[i]
+        if cost[c] is None:
+            cost[c], memory[c], leader[c] = g.cost.copy(), g.memory.copy(), g.leader
+        else:
+            cost[c] += g.cost
+            memory[c] += g.memory
+    tied: dict[tuple[int, int], np.ndarray] = {}
+    for (a, b), m in edges.items():
+        ca, cb = cls[a], cls[b]
+        if ca == cb:
+            cost[ca] = cost[ca] + np.diagonal(m)
+        elif ca < cb:
+            tied[(ca, cb)] = tied.get((ca, cb), 0) + m
+        else:
+            tied[(cb, ca)] = tied.get((cb, ca), 0) + m.T
+    return ShardingProblem(
+        nodes=tuple(ILPNode(name=_unit_name(graph, units, leader[c]),
+                            costs=tuple(float(x) for x in cost[c]),
+                            memory=tuple(float(x) for x in memory[c])) for c in range(n)),
+        edges=tuple(ILPEdge(a, b, m) for (a, b), m in sorted(tied.items())),
+        memory_budget_bytes=memory_budget_bytes)
 
 
 def _unit_name(graph: OpGraph, units: _Units, u: int) -> str:

@@ -67,6 +67,7 @@ class PlanningStats:
     solve_s: float = 0.0
     nodes_before_merge: int = 0
     nodes_after_merge: int = 0
+    ilp_nodes: int = 0              # after tying repeated layers
     ilp_variables: int = 0
     ilp_constraints: int = 0
     candidates: tuple[tuple[str, float], ...] = ()   # (mesh shape, estimated step s)

@@ -265,6 +265,7 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
     stats = PlanningStats(
         build_s=sum(r.build_s for _, r in results), solve_s=sum(r.solve_s for _, r in results),
         nodes_before_merge=best.nodes_before_merge, nodes_after_merge=best.nodes_after_merge,
+        ilp_nodes=best.ilp_nodes,
         ilp_variables=best.ilp_variables, ilp_constraints=best.ilp_constraints,
         candidates=tuple((f"{m.shape}", r.stage.total_s) for m, r in results))
     del t0
