@@ -198,31 +198,35 @@ class _Units:
             compute = compute_time(node.flops / shards, node.bytes_accessed / shards,
                                    self.cluster.device, dtype, is_mm)
             result.append(Strategy(tuple(in_specs), out_specs, compute, tuple(colls), shards))
-            if partial and len(outs) == 1:
+            # On CPU, XLA has no reduce-scatter (it all-reduces and slices, and rewrites that
+            # its own way), and the plain all-reduce followed by a free slice costs the
+            # same, so split-result variants are only offered on accelerators.
+            if partial and len(outs) == 1 and self.cluster.platform != "cpu":
                 result.extend(self._scattered_variants(outs[0], tuple(in_specs), out_specs[0],
-                                                       partial, compute, shards))
+                                                       reduced_groups, compute, shards))
         return result
 
     def _scattered_variants(self, out: Tensor, in_specs, out_spec: TensorSpec,
-                            partial: list[str], compute: float, shards: int) -> list[Strategy]:
-        """Partial sums reduced straight into a split result: a reduce-scatter (ZeRO's
-        gradient sync). XLA on CPU emits all-reduce + local slice instead, so there the
-        collective is an all-reduce of the whole result."""
+                            reduced_groups: list[tuple[str, ...]], compute: float, shards: int
+                            ) -> list[Strategy]:
+        """Partial sums reduced straight into a split result (ZeRO's gradient sync).
+
+        Over the axis the result is split on, the sum is a reduce-scatter; sums over the
+        other partial axes run after it, on the smaller split result (the order XLA uses).
+        """
         variants = []
-        for axis in partial:
+        whole = out.size * itemsize(out.dtype) / out_spec.num_shards(self.mesh)
+        for axis in [a for group in reduced_groups for a in group]:
             n = self.mesh.axis_size(axis)
+            rest = [tuple(a for a in group if a != axis) for group in reduced_groups]
             for d, dim_axes in enumerate(out_spec.dims):
                 if dim_axes or out.shape[d] % n:
                     continue
                 spec = TensorSpec(tuple((axis,) if i == d else a
                                         for i, a in enumerate(out_spec.dims)))
-                whole = out.size * itemsize(out.dtype) / out_spec.num_shards(self.mesh)
-                rest = [a for a in partial if a != axis]
-                colls = [self.comm.op(CollectiveKind.ALL_REDUCE, whole, rest)] if rest else []
-                if self.cluster.platform == "cpu":
-                    colls.append(self.comm.op(CollectiveKind.ALL_REDUCE, whole, [axis]))
-                else:
-                    colls.append(self.comm.op(CollectiveKind.REDUCE_SCATTER, whole / n, [axis]))
+                colls = [self.comm.op(CollectiveKind.REDUCE_SCATTER, whole / n, [axis])]
+                colls += [self.comm.op(CollectiveKind.ALL_REDUCE, whole / n, group)
+                          for group in rest if group]
                 variants.append(Strategy(in_specs, (spec,), compute, tuple(colls), shards))
         return variants
 

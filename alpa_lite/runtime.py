@@ -42,6 +42,7 @@ class StageExecutable:
         self._operand = {(n, p): ns(s) for n, p, s in stage.operand_specs if s.rank}
         self._jitted = jax.jit(self._replay, in_shardings=self.in_shardings,
                                out_shardings=self.out_shardings)
+        self._compiled: dict[tuple, Any] = {}
 
     def _replay(self, *flat_args):
         tr = self.traced
@@ -69,14 +70,21 @@ class StageExecutable:
     def put_args(self, flat_args: Sequence[Any]) -> list[Any]:
         return [jax.device_put(x, s) for x, s in zip(flat_args, self.in_shardings)]
 
+    def compiled(self, flat_args: Sequence[Any]):
+        """The compiled program for these argument shapes (compiled once, then reused)."""
+        key = tuple((np.shape(x), str(x.dtype)) for x in flat_args)
+        if key not in self._compiled:
+            avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+                     for x, s in zip(flat_args, self.in_shardings)]
+            self._compiled[key] = self._jitted.lower(*avals).compile()
+        return self._compiled[key]
+
     def __call__(self, flat_args: Sequence[Any]) -> tuple[Any, ...]:
-        return self._jitted(*self.put_args(flat_args))
+        return self.compiled(flat_args)(*self.put_args(flat_args))
 
     def compiled_text(self, flat_args: Sequence[Any]) -> str:
-        """The partitioned HLO XLA compiles for these arguments (abstract ones work)."""
-        avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
-                 for x, s in zip(flat_args, self.in_shardings)]
-        return self._jitted.lower(*avals).compile().as_text()
+        """The partitioned HLO XLA compiled for these arguments (abstract ones work)."""
+        return self.compiled(flat_args).as_text()
 
 
 class Executable:

@@ -183,9 +183,8 @@ def reshard_collectives(shape: Sequence[int], dtype: str, src: TensorSpec, dst: 
                         comm: CommModel) -> tuple[CollectiveOp, ...]:
     """The collectives that turn a tensor sharded as `src` into `dst` (empty if free).
 
-    An axis that moves from one dimension to another is an all-to-all; an axis that is
-    dropped is an all-gather (one over all dropped axes); an axis that is added is a local
-    slice.
+    An axis that is dropped is an all-gather; an axis that moves from one dimension to
+    another is an all-to-all; an axis that is added is a local slice.
     """
     if src == dst:
         return ()
@@ -207,24 +206,36 @@ def reshard_collectives(shape: Sequence[int], dtype: str, src: TensorSpec, dst: 
         # both dimensions and nothing else changes there; otherwise it gathers what moves
         # and slices again (SPMD "involuntary full rematerialization"): that is the cost.
         dropped, moved = dropped + moved, []
-    if moved:
-        ops.append(comm.op(CollectiveKind.ALL_TO_ALL, local, moved))
-    # XLA gathers one dimension at a time, the last dimension first; the axes that split
-    # one dimension are gathered together.
+    # XLA gathers first, one dimension at a time, the last dimension first (the axes that
+    # split one dimension are gathered together), then moves axes on the gathered value.
     size = local
     for d in reversed(range(src.rank)):
         axes = [a for a in src.dims[d] if a in dropped]
         if axes:
             size *= math.prod(mesh.axis_size(a) for a in axes)
             ops.append(comm.op(CollectiveKind.ALL_GATHER, size, axes))
+    groups: dict[tuple[int, int], list[str]] = {}
+    for a in moved:
+        groups.setdefault((src.dim_of(a), dst.dim_of(a)), []).append(a)
+    for axes in groups.values():
+        ops.append(comm.op(CollectiveKind.ALL_TO_ALL, size, axes))
     return tuple(ops)
 
 
 def _simple_move(src: TensorSpec, dst: TensorSpec, moved: Sequence[str]) -> bool:
-    if len(moved) == 1:
-        a = moved[0]
-        d1, d2 = src.dim_of(a), dst.dim_of(a)
-        return (src.dims[d1][-1] == a and dst.dims[d2][-1] == a
-                and src.dims[d1][:-1] == dst.dims[d1] and dst.dims[d2][:-1] == src.dims[d2])
-    return all(src.dims[src.dim_of(a)] == (a,) and dst.dims[dst.dim_of(a)] == (a,)
-               for a in moved)
+    """Whether XLA moves these axes with all-to-alls: the axes moving between one pair of
+    dimensions must be the minor-most splits of both, in the same order, with nothing
+    else changing on those two dimensions (after the gathers)."""
+    src_dims = list(src.dims)
+    groups: dict[tuple[int, int], list[str]] = {}
+    for a in moved:
+        groups.setdefault((src.dim_of(a), dst.dim_of(a)), []).append(a)
+    for (d1, d2), axes in groups.items():
+        m = tuple(a for a in src_dims[d1] if a in axes)
+        if len(m) != len(axes):
+            return False
+        if (src_dims[d1][len(src_dims[d1]) - len(m):] != m or dst.dims[d1] != src_dims[d1][:-len(m)]
+                or dst.dims[d2][len(dst.dims[d2]) - len(m):] != m
+                or dst.dims[d2][:-len(m)] != src_dims[d2]):
+            return False
+    return True

@@ -112,7 +112,7 @@ def conv(p: dict, x: jax.Array, stride: int = 1, padding: Any = "SAME") -> jax.A
 
 def norm(p: dict, x: jax.Array, eps: float = 1e-5) -> jax.Array:
     """Batch norm in training mode without running statistics: per channel over N, H, W."""
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # float32 or wider
     mean = x32.mean(axis=(0, 1, 2))                                 # (C,)
     var = jnp.square(x32 - mean).mean(axis=(0, 1, 2))               # (C,)
     y = (x32 - mean) * lax.rsqrt(var + eps)
@@ -206,7 +206,7 @@ def loss_fn(params: dict, batch: dict, cfg: Config) -> jax.Array:
     """Mean softmax cross-entropy (float32 scalar)."""
     logits = forward(params, batch["images"], cfg)
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), batch["labels"]).mean()
+        logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), batch["labels"]).mean()
 
 
 def make_train_step(cfg: Config, tx: optax.GradientTransformation) -> Callable:

@@ -21,11 +21,6 @@ import optax
 import pytest
 
 import alpa_lite
-import alpa_lite.markers
-
-# Until alpa_lite/__init__.py exports it, examples reach the marker through the package.
-if not hasattr(alpa_lite, "value_and_grad"):
-    alpa_lite.value_and_grad = alpa_lite.markers.value_and_grad
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import _common  # noqa: E402
