@@ -158,9 +158,10 @@ def _stage_to_obj(s: StagePlan) -> dict[str, Any]:
         "mesh_shape": list(s.mesh_shape),
         "axis_names": list(s.axis_names),
         "shardings": [[n, spec.to_json()] for n, spec in s.shardings],
-        "collectives": [dataclasses.asdict(c) | {"axes": list(c.axes)} for c in s.collectives],
-        "compute_s": s.compute_s, "comm_s": s.comm_s, "total_s": s.total_s,
-        "peak_memory_bytes": s.peak_memory_bytes,
+        "collectives": [dataclasses.asdict(c) | {"axes": list(c.axes), "time_s": float(c.time_s)}
+                        for c in s.collectives],
+        "compute_s": float(s.compute_s), "comm_s": float(s.comm_s),
+        "total_s": float(s.total_s), "peak_memory_bytes": float(s.peak_memory_bytes),
         "input_specs": [x.to_json() for x in s.input_specs],
         "output_specs": [x.to_json() for x in s.output_specs],
         "tensor_specs": [[t, x.to_json()] for t, x in s.tensor_specs],

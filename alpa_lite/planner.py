@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Mapping
 
 from alpa_lite.cost_models.cluster import Cluster
@@ -262,6 +263,10 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
         raise TypeError(f"method must be al.Auto(), al.Manual(...) or al.DataParallel(), "
                         f"got {method!r}")
     mesh, best = min(results, key=lambda r: (round(r[1].stage.total_s, 12), r[0].shape))
+    if best.unsharded_primitives:
+        warnings.warn(f"no sharding rule for {', '.join(best.unsharded_primitives)}: these "
+                      "operators run replicated on every device (correct, but not split)",
+                      stacklevel=3)
     stats = PlanningStats(
         build_s=sum(r.build_s for _, r in results), solve_s=sum(r.solve_s for _, r in results),
         nodes_before_merge=best.nodes_before_merge, nodes_after_merge=best.nodes_after_merge,

@@ -112,14 +112,17 @@ def init_attention(key, hidden: int, std: float, proj_std: float, dtype) -> dict
 
 
 def causal_self_attention(p: dict, x: jax.Array, num_heads: int) -> jax.Array:
-    """Multi-head causal self-attention with a fused qkv projection."""
+    """Multi-head causal self-attention with a fused qkv projection.
+
+    The fused projection's 3C outputs are laid out head-major, (nh, 3, hs), as in
+    Megatron-LM: a split of those outputs into contiguous blocks then gives each block
+    whole heads with their q, k and v, so tensor parallelism splits heads without moving
+    data.
+    """
     B, T, C = x.shape
     hs = C // num_heads
-    qkv = linear(p["qkv"], x)                                       # (B, T, 3C)
-    q, k, v = jnp.split(qkv, 3, axis=-1)                            # 3 x (B, T, C)
-    q = q.reshape(B, T, num_heads, hs)                              # (B, T, nh, hs)
-    k = k.reshape(B, T, num_heads, hs)
-    v = v.reshape(B, T, num_heads, hs)
+    qkv = linear(p["qkv"], x).reshape(B, T, num_heads, 3, hs)       # (B, T, nh, 3, hs)
+    q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]     # 3 x (B, T, nh, hs)
     att = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))                 # (T, T)
     att = jnp.where(causal, att.astype(jnp.float32), jnp.finfo(jnp.float32).min)
