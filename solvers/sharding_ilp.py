@@ -959,7 +959,7 @@ def _make_backend(solver: Solver, time_limit_s: float):
         except ImportError:
             raise SolverUnavailableError(
                 "Solver.HIGHS needs the highspy package, which is not installed: run "
-                "`pip install highspy` (or `pip install alpa_lite[highs]`), or pass "
+                "`pip install highspy` (alpa_lite depends on it; reinstall it), or pass "
                 "solver=Solver.CBC to use the CBC solver that ships with PuLP."
             ) from None
         backend = pulp.HiGHS(msg=False, timeLimit=float(time_limit_s), gapRel=MIP_RELATIVE_GAP,
