@@ -26,7 +26,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from alpa_lite.graph import Node, OpGraph, Role, Tensor
-from alpa_lite.markers import GRAD, PARAM, marker_p
+from alpa_lite.markers import PARAM, marker_p
 
 # Calls whose body is inlined into the flat graph, and where each keeps its body.
 _INLINED_CALLS = {
