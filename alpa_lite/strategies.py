@@ -28,8 +28,9 @@ from alpa_lite.sharding import (CollectiveOp, CommModel, LogicalMesh, TensorSpec
 # (32 GB/s raw; PCI-SIG PCIe 4.0 base specification, 16 GT/s x 16 lanes, 128b/130b).
 HOST_TO_DEVICE_BYTES_PER_S = 25e9
 
+# Operators that own an ILP variable; the rest follow a neighbour (alpa_lite.grouping).
 HEAVY = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add",
-                    "scatter_add", "scatter"})
+                   "scatter_add", "scatter"})
 MATMUL = frozenset({"dot_general", "conv_general_dilated"})
 BROADCASTS = frozenset({"broadcast_in_dim", "iota"})
 

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -23,6 +24,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES_DIR = REPO_ROOT / "examples"
 TABLE_WIDTH = 240  # characters; wide enough that no column of either table wraps
+# 1/5/15-minute load averages when the benchmark started: other work on the machine is noise
+LOAD_AVERAGE_AT_START = os.getloadavg()
 
 
 def use_examples() -> None:
@@ -60,7 +63,27 @@ def machine() -> dict[str, Any]:
         "jax_device_count": len(devices),
         "jax_devices": [str(d) for d in devices],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "load_average_at_start": [round(x, 2) for x in LOAD_AVERAGE_AT_START],
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def code_version() -> dict[str, Any]:
+    """The git commit the benchmark ran on, and whether the code it imports had local edits."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+    dirty = git("status", "--porcelain", "--", "alpa_lite", "cost_models", "solvers", "examples")
+    return {"git_commit": git("rev-parse", "HEAD"),
+            "uncommitted_changes": dirty.splitlines() if dirty != "unknown" else "unknown"}
+
+
+# Taken when the benchmark starts, i.e. when it imports the code it measures.
+CODE_AT_START = code_version()
 
 
 def now_utc() -> str:

@@ -53,7 +53,7 @@ CASES = (
 )
 QUICK_CASES = ("GPT-350M",)           # --quick keeps only these labels (Auto)
 HEADLINE = ("GPT-1.3B", "auto")
-HEADLINE_TARGET_S = 20.0              # goal for the headline case on a 2-core machine (not asserted)
+HEADLINE_TARGET_S = 20.0              # headline goal on a 2-core machine (not asserted)
 REPEATS = 3                           # plans per case; the median run is reported
 LEARNING_RATE = 1e-3                  # optax.adamw; only the optimizer-state shapes matter here
 BURN_IN = (gpt, "tiny", 4, "8xH100")  # planned once, untimed, before the cases
@@ -178,6 +178,7 @@ def main(argv=None) -> None:
         "benchmark": "planning_time",
         "date": _common.now_utc(),
         "command": _common.command_line(),
+        "code": _common.CODE_AT_START,
         "machine": {**_common.machine(), "highspy": _common.package_version("highspy"),
                     "pulp": _common.package_version("pulp")},
         "settings": {"repeats": args.repeats, "quick": args.quick,
