@@ -1,4 +1,5 @@
-"""Cost models: device and cluster specs, collective and compute costs (no PuLP here)."""
+"""Cost models: device and cluster specs, collective and compute costs, pipeline schedules
+(no PuLP here)."""
 
 from alpa_lite.cost_models.cluster import CLUSTER_JSON_FORMAT as CLUSTER_JSON_FORMAT
 from alpa_lite.cost_models.cluster import Cluster as Cluster
@@ -16,6 +17,13 @@ from alpa_lite.cost_models.collectives import send_recv_time as send_recv_time
 from alpa_lite.cost_models.compute import compute_time as compute_time
 from alpa_lite.cost_models.devices import DEVICES as DEVICES
 from alpa_lite.cost_models.devices import DeviceSpec as DeviceSpec
+from alpa_lite.cost_models.pipeline_schedule import Schedule as Schedule
+from alpa_lite.cost_models.pipeline_schedule import ScheduleResult as ScheduleResult
+from alpa_lite.cost_models.pipeline_schedule import StageTiming as StageTiming
+from alpa_lite.cost_models.pipeline_schedule import Task as Task
+from alpa_lite.cost_models.pipeline_schedule import TaskKind as TaskKind
+from alpa_lite.cost_models.pipeline_schedule import schedule_from_name as schedule_from_name
+from alpa_lite.cost_models.pipeline_schedule import simulate as simulate_pipeline
 
 __all__ = [
     "CLUSTER_JSON_FORMAT",
@@ -26,6 +34,11 @@ __all__ = [
     "CollectiveKind",
     "DeviceSpec",
     "LinkSpec",
+    "Schedule",
+    "ScheduleResult",
+    "StageTiming",
+    "Task",
+    "TaskKind",
     "all_gather_time",
     "all_reduce_time",
     "all_to_all_time",
@@ -33,5 +46,7 @@ __all__ = [
     "compute_time",
     "mesh_axis_topology",
     "reduce_scatter_time",
+    "schedule_from_name",
     "send_recv_time",
+    "simulate_pipeline",
 ]
