@@ -14,7 +14,6 @@ the intra-op ILP over it:
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from typing import Mapping
 
@@ -223,7 +222,6 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
         method_m = Manual(dp=n, tp=1, shard_optimizer_state=method.shard_optimizer_state)
     else:
         method_m = method
-    t0 = time.perf_counter()
     results: list[tuple[LogicalMesh, StageResult]] = []
     failures: list[PlanningError] = []
     if isinstance(method_m, Manual):
@@ -262,7 +260,7 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
     else:
         raise TypeError(f"method must be al.Auto(), al.Manual(...) or al.DataParallel(), "
                         f"got {method!r}")
-    mesh, best = min(results, key=lambda r: (round(r[1].stage.total_s, 12), r[0].shape))
+    _, best = min(results, key=lambda r: (round(r[1].stage.total_s, 12), r[0].shape))
     if best.unsharded_primitives:
         warnings.warn(f"no sharding rule for {', '.join(best.unsharded_primitives)}: these "
                       "operators run replicated on every device (correct, but not split)",
@@ -273,7 +271,6 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
         ilp_nodes=best.ilp_nodes,
         ilp_variables=best.ilp_variables, ilp_constraints=best.ilp_constraints,
         candidates=tuple((f"{m.shape}", r.stage.total_s) for m, r in results))
-    del t0
     return Plan(method=repr(method), cluster_name=cluster.name,
                 cluster_fingerprint=cluster.fingerprint(),
                 program_fingerprint=traced.fingerprint, input_signature=traced.input_avals,
