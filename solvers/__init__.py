@@ -15,3 +15,13 @@ from alpa_lite.solvers.layer_clustering import ClusteringProblem as ClusteringPr
 from alpa_lite.solvers.layer_clustering import choose_num_layers as choose_num_layers
 from alpa_lite.solvers.layer_clustering import cluster_layers as cluster_layers
 from alpa_lite.solvers.layer_clustering import cut_costs as cut_costs
+from alpa_lite.solvers.stage_dp import NoFeasiblePipelineError as NoFeasiblePipelineError
+from alpa_lite.solvers.stage_dp import PipelinePlan as PipelinePlan
+from alpa_lite.solvers.stage_dp import StageAssignment as StageAssignment
+from alpa_lite.solvers.stage_dp import StageCostFn as StageCostFn
+from alpa_lite.solvers.stage_dp import StageDPStats as StageDPStats
+from alpa_lite.solvers.stage_dp import StageOption as StageOption
+from alpa_lite.solvers.stage_dp import SubmeshShape as SubmeshShape
+from alpa_lite.solvers.stage_dp import brute_force_stage_plan as brute_force_stage_plan
+from alpa_lite.solvers.stage_dp import solve_stage_dp as solve_stage_dp
+from alpa_lite.solvers.stage_dp import submesh_shapes as submesh_shapes
