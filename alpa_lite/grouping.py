@@ -116,39 +116,31 @@ def build_groups(graph: OpGraph, units: Units, follow, cache) -> tuple[list[Grou
             if not resolved(target):
                 rest.append(u)
                 continue
-            if kind == "fwd":
+            if kind == "fwd":   # u reads `target`'s result through its operand `pos`
                 tid = graph.nodes[u - off].inputs[pos]
-                t = graph.tensors[tid]
                 k = units.out_index(target, tid)
-                memo: dict[int, tuple[int, float]] = {}
-
-                def pick(ts, u=u, t=t, k=k, target=target, pos=pos, memo=memo):
-                    if ts not in memo:
-                        src = units.strategies[target][ts].out_specs[k]
-                        key = ("fwd", id(units.strategies[u]), pos, src, t.shape, t.dtype)
-                        if key not in shared_memo:
-                            shared_memo[key] = _follow_choice(
-                                units.strategies[u], lambda st: st.in_specs[pos], src,
-                                lambda st: reshard_cost(units, t, src, st.in_specs[pos], cache))
-                        memo[ts] = shared_memo[key]
-                    return memo[ts]
-            else:
-                node = graph.nodes[target - off]
-                tid = node.inputs[pos]
-                t = graph.tensors[tid]
+                mine = lambda st, pos=pos: st.in_specs[pos]
+                theirs = lambda ts, target=target, k=k: units.strategies[target][ts].out_specs[k]
+            else:               # `target` reads u's result through its operand `pos`
+                tid = graph.nodes[target - off].inputs[pos]
                 k = units.out_index(u, tid)
-                memo = {}
+                mine = lambda st, k=k: st.out_specs[k]
+                theirs = lambda ts, target=target, pos=pos: units.strategies[target][ts].in_specs[pos]
+            t = graph.tensors[tid]
 
-                def pick(ts, u=u, t=t, k=k, target=target, pos=pos, memo=memo):
-                    if ts not in memo:
-                        dst = units.strategies[target][ts].in_specs[pos]
-                        key = ("bwd", id(units.strategies[u]), k, dst, t.shape, t.dtype)
-                        if key not in shared_memo:
-                            shared_memo[key] = _follow_choice(
-                                units.strategies[u], lambda st: st.out_specs[k], dst,
-                                lambda st: reshard_cost(units, t, st.out_specs[k], dst, cache))
-                        memo[ts] = shared_memo[key]
-                    return memo[ts]
+            def pick(ts, u=u, t=t, kind=kind, mine=mine, theirs=theirs, slot=(pos, k),
+                     memo={}):
+                if ts not in memo:
+                    spec = theirs(ts)
+                    key = (kind, id(units.strategies[u]), slot, spec, t.shape, t.dtype)
+                    if key not in shared_memo:
+                        if kind == "fwd":
+                            cost = lambda st: reshard_cost(units, t, spec, mine(st), cache)
+                        else:
+                            cost = lambda st: reshard_cost(units, t, mine(st), spec, cache)
+                        shared_memo[key] = _follow_choice(units.strategies[u], mine, spec, cost)
+                    memo[ts] = shared_memo[key]
+                return memo[ts]
             attach(u, target, pick)
             progress = True
         pending = rest
