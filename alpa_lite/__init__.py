@@ -2,7 +2,7 @@
 
     import alpa_lite as al
 
-    @al.parallelize(method=al.Auto())
+    @al.parallelize(method=al.Auto())                      # or Auto(num_micro_batches=8),
     def train_step(params, opt_state, batch):
         loss, grads = al.value_and_grad(loss_fn)(params, batch)
         ...
@@ -14,6 +14,7 @@ from alpa_lite.cost_models.cluster import Cluster as Cluster
 from alpa_lite.errors import PlanMismatchError as PlanMismatchError
 from alpa_lite.errors import PlanningError as PlanningError
 from alpa_lite.markers import grad as grad
+from alpa_lite.markers import mark_layer_boundary as mark_layer_boundary
 from alpa_lite.markers import value_and_grad as value_and_grad
 from alpa_lite.methods import Auto as Auto
 from alpa_lite.methods import DataParallel as DataParallel
@@ -22,5 +23,6 @@ from alpa_lite.plan import Plan as Plan
 
 __all__ = [
     "Auto", "Cluster", "DataParallel", "Manual", "ParallelizedStep", "Plan",
-    "PlanMismatchError", "PlanningError", "grad", "parallelize", "value_and_grad",
+    "PlanMismatchError", "PlanningError", "grad", "mark_layer_boundary", "parallelize",
+    "value_and_grad",
 ]

@@ -21,6 +21,9 @@ from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import PlanMismatchError
 from alpa_lite.graph import Role
 from alpa_lite.methods import Auto, DataParallel, Manual, Method
+from alpa_lite.pipeline_planner import make_pipeline_plan
+from alpa_lite.pipeline_program import StepParts, split_step
+from alpa_lite.pipeline_runtime import PipelineExecutable
 from alpa_lite.plan import Plan
 from alpa_lite.planner import make_plan, replace_stats
 from alpa_lite.runtime import Executable
@@ -41,6 +44,7 @@ class ParallelizedStep:
         self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
         self.fixed_plan = fixed_plan
         self._traces: dict[Any, TracedStep] = {}
+        self._parts: dict[Any, StepParts] = {}
         self._plans: dict[Any, Plan] = {}
         self._executables: dict[Any, Executable] = {}
         functools.update_wrapper(self, fn)
@@ -75,12 +79,34 @@ class ParallelizedStep:
             self._traces[key] = trace(self.fn, args, self._batch_argnums(len(args)))
         return self._traces[key]
 
+    def _micro_batches(self) -> int | None:
+        """The micro-batch count when the step is pipelined, else None."""
+        if self.fixed_plan is not None:
+            p = self.fixed_plan.pipeline
+            return None if p is None else p.num_micro_batches
+        m = self.method
+        if isinstance(m, Manual) and m.pipelined:
+            return m.num_micro_batches
+        if isinstance(m, Auto) and m.num_micro_batches is not None:
+            return m.num_micro_batches
+        return None
+
+    def parts(self, *args) -> StepParts:
+        """The step split for pipelining (loss function per micro-batch, apply part)."""
+        key = (self._signature(args), self._micro_batches())
+        if key not in self._parts:
+            self._parts[key] = split_step(self.fn, args, self._batch_argnums(len(args)),
+                                          self._micro_batches())
+        return self._parts[key]
+
     def plan(self, *args, cluster: Cluster | None = None) -> Plan:
         """Plans the step for these arguments on `cluster` (default: the step's cluster,
         else the local devices). Arguments may be `jax.ShapeDtypeStruct`s."""
         cluster = cluster or self.cluster or Cluster.local()
         t0 = time.perf_counter()
-        traced = self.trace(*args)
+        # A pipelined step is traced with its gradient call captured; the rest whole.
+        pipelined = self._micro_batches() is not None
+        traced = self.parts(*args).outer if pipelined else self.trace(*args)
         trace_s = time.perf_counter() - t0
         if self.fixed_plan is not None:
             self.fixed_plan.check_matches(cluster.fingerprint(), traced.fingerprint,
@@ -89,7 +115,11 @@ class ParallelizedStep:
         key = (self._signature(args), cluster.fingerprint())
         if key not in self._plans:
             names = {t.id: t.name for t in traced.graph.tensors if t.role is not Role.ACTIVATION}
-            plan = make_plan(traced, self.method, cluster, tensor_names=names)
+            if pipelined:
+                plan = make_pipeline_plan(self.parts(*args), self.method, cluster,
+                                          traced.fingerprint, traced.input_avals, names)
+            else:
+                plan = make_plan(traced, self.method, cluster, tensor_names=names)
             self._plans[key] = replace_stats(plan, trace_s=trace_s)
         return self._plans[key]
 
@@ -105,7 +135,11 @@ class ParallelizedStep:
         key = self._signature(args)
         if key not in self._executables:
             plan = self.plan(*args, cluster=cluster)
-            self._executables[key] = Executable(self.trace(*args), plan, jax.devices())
+            if plan.pipeline is not None:
+                self._executables[key] = PipelineExecutable(self.parts(*args), plan,
+                                                            jax.devices())
+            else:
+                self._executables[key] = Executable(self.trace(*args), plan, jax.devices())
         return self._executables[key]
 
     def with_plan(self, plan: Plan) -> "ParallelizedStep":

@@ -9,10 +9,13 @@ marker lowers to nothing, so a decorated step runs unchanged outside alpa_lite t
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
@@ -77,6 +80,12 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
     @functools.wraps(fun)
     def wrapped(*args, **kw):
+        if _CAPTURE:
+            if kwargs:
+                raise NotImplementedError(
+                    f"value_and_grad(..., {', '.join(kwargs)}=...) cannot be pipelined; "
+                    "use a single stage and one micro-batch")
+            return _captured_value_and_grad(fun, nums, has_aux, kw, args)
         args = list(args)
         for i in nums:
             if i >= len(args):
@@ -100,3 +109,159 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
         return (grads, value[1]) if has_aux else grads
 
     return wrapped
+
+
+# ---- layer boundaries -----------------------------------------------------------------------
+#
+# `mark_layer_boundary(x)` is the identity on values. Its JVP marks the tangents and its
+# transpose marks the cotangents, so a boundary placed in the forward pass appears at the
+# mirrored place in the backward pass too, under jax.grad, jax.vjp and jax.jit alike.
+
+boundary_p = Primitive("alpa_layer_boundary")
+boundary_p.multiple_results = True
+boundary_p.def_impl(lambda *args: list(args))
+boundary_p.def_abstract_eval(lambda *avals: list(avals))
+mlir.register_lowering(boundary_p, lambda ctx, *args: list(args))
+batching.primitive_batchers[boundary_p] = lambda args, dims: (boundary_p.bind(*args), dims)
+
+
+def _boundary_jvp(primals, tangents):
+    from jax.interpreters import ad
+    outs = boundary_p.bind(*primals)
+    nonzero = [t for t in tangents if not isinstance(t, ad.Zero)]
+    marked = iter(boundary_p.bind(*nonzero) if nonzero else [])
+    return outs, [t if isinstance(t, ad.Zero) else next(marked) for t in tangents]
+
+
+def _boundary_transpose(cts, *args):
+    from jax.interpreters import ad
+    nonzero = [c for c in cts if not isinstance(c, ad.Zero)]
+    marked = iter(boundary_p.bind(*nonzero) if nonzero else [])
+    return [c if isinstance(c, ad.Zero) else next(marked) for c in cts]
+
+
+def _register_boundary_ad():
+    from jax.interpreters import ad
+    ad.primitive_jvps[boundary_p] = _boundary_jvp
+    ad.primitive_transposes[boundary_p] = _boundary_transpose
+
+
+_register_boundary_ad()
+
+
+def mark_layer_boundary(tree: Any) -> Any:
+    """Marks the end of a layer: the values in `tree` are what crosses into the next layer.
+
+    An identity on values (under plain `jax.jit` it compiles to nothing). When the loss
+    function of a pipelined step contains boundaries, alpa_lite's layers are the spans
+    between them instead of an automatic clustering; the stage DP (or `Manual(pp=...)`)
+    then groups consecutive layers into stages. Place one after each transformer block::
+
+        for block in params["blocks"]:
+            x = al.mark_layer_boundary(block_fn(block, x))
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves:
+        return tree
+    return jax.tree_util.tree_unflatten(treedef, boundary_p.bind(*leaves))
+
+
+# ---- the gradient call, captured for pipelining ----------------------------------------------
+#
+# To pipeline a step, alpa_lite needs the loss function itself (to run it per stage and per
+# micro-batch), not the gradient XLA would derive from the whole step. While a
+# `capture_grad_calls()` block is active, `value_and_grad` does not differentiate: it records
+# the call and binds `grad_call_p`, whose results have the shapes of (value, grads). The
+# step's jaxpr then holds one `alpa_grad_call` equation between the code before and after it.
+
+grad_call_p = Primitive("alpa_grad_call")
+grad_call_p.multiple_results = True
+
+
+@dataclasses.dataclass(eq=False)
+class GradCall:
+    """One captured `al.value_and_grad(fun, argnums, has_aux)(*args)` call.
+
+    The call's argument leaves are split into array leaves (`avals`, the equation's
+    operands) and everything else (static: configs, Python numbers), which `loss` closes over.
+    """
+    loss: Callable[..., Any]       # loss(*array_leaves) -> value (or (value, aux))
+    grad_leaves: tuple[int, ...]   # per gradient result leaf, the array leaf it differentiates
+    has_aux: bool
+    num_value_leaves: int          # leaves of value (1, or 1 + aux leaves)
+    out_tree: Any                  # of (value, grads)
+    avals: tuple[Any, ...]         # per array leaf
+    out_avals: tuple[Any, ...]     # per result leaf: value leaves, then gradient leaves
+
+
+_CAPTURE: list[list[GradCall]] = []
+
+
+def _grad_call_abstract(*avals, index):
+    return list(_CAPTURE[-1][index].out_avals)
+
+
+grad_call_p.def_abstract_eval(_grad_call_abstract)
+
+
+def _grad_call_impl(*args, index):
+    raise RuntimeError("alpa_grad_call only exists while alpa_lite traces a step for "
+                       "pipelining; it cannot be evaluated")
+
+
+grad_call_p.def_impl(_grad_call_impl)
+
+
+@contextlib.contextmanager
+def capture_grad_calls():
+    """While active, `value_and_grad` / `grad` record their calls; yields the list."""
+    calls: list[GradCall] = []
+    _CAPTURE.append(calls)
+    try:
+        yield calls
+    finally:
+        _CAPTURE.pop()
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+
+
+def _captured_value_and_grad(fun, nums, has_aux, kwargs, args):
+    calls = _CAPTURE[-1]
+    leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
+    arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
+    # Leaf positions of the differentiated arguments, in the order jax returns their grads.
+    offsets = [0]
+    for a in args:
+        offsets.append(offsets[-1] + len(jax.tree_util.tree_leaves(a)))
+    diff = [j for i in nums for j in range(offsets[i], offsets[i + 1])]
+    if any(j not in arrays for j in diff):
+        raise TypeError("value_and_grad: a differentiated argument has a non-array leaf")
+    slot = {j: k for k, j in enumerate(arrays)}
+
+    def loss(*array_leaves):
+        full = list(leaves)
+        for j, x in zip(arrays, array_leaves):
+            full[j] = x
+        return fun(*jax.tree_util.tree_unflatten(in_tree, full), **kwargs)
+
+    grad_leaves = tuple(slot[j] for j in diff)
+    avals = tuple(jax.typeof(leaves[j]) for j in arrays)
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+
+    # Only the forward is traced here: a gradient has its parameter's shape and dtype.
+    value_shape = jax.eval_shape(loss, *structs)
+    grad_tree = tuple(args[i] for i in nums) if len(nums) > 1 else args[nums[0]]
+    grads_shape = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(grad_tree), [structs[i] for i in grad_leaves])
+    value_leaves = jax.tree_util.tree_leaves(value_shape)
+    call = GradCall(loss=loss, grad_leaves=grad_leaves, has_aux=has_aux,
+                    num_value_leaves=len(value_leaves),
+                    out_tree=jax.tree_util.tree_structure((value_shape, grads_shape)),
+                    avals=avals,
+                    out_avals=tuple(jax.core.ShapedArray(x.shape, x.dtype)
+                                    for x in value_leaves + [structs[i] for i in grad_leaves]))
+    calls.append(call)
+    outs = grad_call_p.bind(*[leaves[j] for j in arrays], index=len(calls) - 1)
+    return jax.tree_util.tree_unflatten(call.out_tree, outs)

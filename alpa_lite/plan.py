@@ -16,7 +16,7 @@ from typing import Any
 from alpa_lite.errors import PlanMismatchError
 from alpa_lite.sharding import TensorSpec
 
-PLAN_FORMAT = "alpa_lite.plan/1"
+PLAN_FORMAT = "alpa_lite.plan/2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,12 @@ class StagePlan:
     output_specs: tuple[TensorSpec, ...]             # per flattened result leaf
     tensor_specs: tuple[tuple[int, TensorSpec], ...]           # op results to constrain
     operand_specs: tuple[tuple[int, int, TensorSpec], ...]     # (node, operand, spec) reshards
+    # Pipelined plans only (zero / empty otherwise): per micro-batch forward and backward
+    # time, the layers this stage runs (first, last, inclusive) and whether it recomputes.
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    layers: tuple[int, int] = (0, 0)
+    remat: bool = False
 
     def sharding_of(self, name: str) -> TensorSpec:
         for n, spec in self.shardings:
@@ -57,6 +63,24 @@ class StagePlan:
                 return spec
         raise KeyError(f"no tensor named {name!r} in the plan; known: "
                        f"{[n for n, _ in self.shardings][:20]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+    """How a pipelined plan runs: the layers, the schedule and the estimate.
+
+    Stage s of `Plan.stages` runs layers `stages[s].layers` of the loss function, layer k
+    being its forward nodes `layer_starts[k]` up to the next start. Micro-batch losses and
+    gradients are combined as `loss_scale` x their sum (1/m for a mean loss).
+    """
+    num_micro_batches: int
+    schedule: str                       # "1f1b" or "gpipe"
+    layer_starts: tuple[int, ...]
+    loss_scale: float
+    forward_fingerprint: str            # of the loss function's traced forward graph
+    step_time_s: float                  # simulated: pipeline + send/receive + bubble
+    bubble_fraction: float
+    send_s: tuple[float, ...] = ()      # per stage boundary, one activation transfer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +95,12 @@ class PlanningStats:
     ilp_variables: int = 0
     ilp_constraints: int = 0
     candidates: tuple[tuple[str, float], ...] = ()   # (mesh shape, estimated step s)
+    # Pipelined plans: layers, stage-DP time and work, distinct layer ILPs solved.
+    num_layers: int = 0
+    dp_s: float = 0.0
+    layer_ilps: int = 0
+    dp_t_max_tried: int = 0
+    dp_cost_queries: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +113,7 @@ class Plan:
     input_signature: tuple[tuple[tuple[int, ...], str], ...]
     stages: tuple[StagePlan, ...]
     unsharded_primitives: tuple[str, ...] = ()
+    pipeline: PipelineSpec | None = None
     stats: PlanningStats = dataclasses.field(default_factory=PlanningStats, compare=False)
 
     @property
@@ -95,7 +126,23 @@ class Plan:
 
     @property
     def step_time_s(self) -> float:
+        """Estimated time of one training step."""
+        if self.pipeline is not None:
+            return self.pipeline.step_time_s
         return sum(s.total_s for s in self.stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule and micro-batch count, e.g. "1f1b x 8 micro-batches"."""
+        if self.pipeline is None:
+            return "single stage, 1 micro-batch"
+        p = self.pipeline
+        return f"{p.schedule} x {p.num_micro_batches} micro-batch" + \
+            ("es" if p.num_micro_batches > 1 else "")
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -166,6 +213,8 @@ def _stage_to_obj(s: StagePlan) -> dict[str, Any]:
         "output_specs": [x.to_json() for x in s.output_specs],
         "tensor_specs": [[t, x.to_json()] for t, x in s.tensor_specs],
         "operand_specs": [[n, p, x.to_json()] for n, p, x in s.operand_specs],
+        "forward_s": float(s.forward_s), "backward_s": float(s.backward_s),
+        "layers": list(s.layers), "remat": bool(s.remat),
     }
 
 
@@ -185,7 +234,28 @@ def _stage_from_obj(o: dict[str, Any]) -> StagePlan:
         output_specs=tuple(spec(x) for x in o["output_specs"]),
         tensor_specs=tuple((int(t), spec(x)) for t, x in o["tensor_specs"]),
         operand_specs=tuple((int(n), int(p), spec(x)) for n, p, x in o["operand_specs"]),
+        forward_s=float(o["forward_s"]), backward_s=float(o["backward_s"]),
+        layers=(int(o["layers"][0]), int(o["layers"][1])), remat=bool(o["remat"]),
     )
+
+
+def _pipeline_to_obj(p: PipelineSpec | None):
+    if p is None:
+        return None
+    return {"num_micro_batches": p.num_micro_batches, "schedule": p.schedule,
+            "layer_starts": list(p.layer_starts), "loss_scale": float(p.loss_scale),
+            "forward_fingerprint": p.forward_fingerprint, "step_time_s": float(p.step_time_s),
+            "bubble_fraction": float(p.bubble_fraction), "send_s": [float(x) for x in p.send_s]}
+
+
+def _pipeline_from_obj(o) -> PipelineSpec | None:
+    if o is None:
+        return None
+    return PipelineSpec(
+        num_micro_batches=int(o["num_micro_batches"]), schedule=str(o["schedule"]),
+        layer_starts=tuple(int(x) for x in o["layer_starts"]), loss_scale=float(o["loss_scale"]),
+        forward_fingerprint=str(o["forward_fingerprint"]), step_time_s=float(o["step_time_s"]),
+        bubble_fraction=float(o["bubble_fraction"]), send_s=tuple(float(x) for x in o["send_s"]))
 
 
 def _plan_to_obj(p: Plan) -> dict[str, Any]:
@@ -198,12 +268,14 @@ def _plan_to_obj(p: Plan) -> dict[str, Any]:
         "input_signature": [[list(s), d] for s, d in p.input_signature],
         "stages": [_stage_to_obj(s) for s in p.stages],
         "unsharded_primitives": list(p.unsharded_primitives),
+        "pipeline": _pipeline_to_obj(p.pipeline),
     }
 
 
 def _plan_from_obj(o: dict[str, Any]) -> Plan:
     expected = {"format", "method", "cluster_name", "cluster_fingerprint",
-                "program_fingerprint", "input_signature", "stages", "unsharded_primitives"}
+                "program_fingerprint", "input_signature", "stages", "unsharded_primitives",
+                "pipeline"}
     if set(o) != expected:
         raise ValueError(f"unexpected keys {sorted(set(o) - expected)}, missing "
                          f"{sorted(expected - set(o))}")
@@ -213,4 +285,5 @@ def _plan_from_obj(o: dict[str, Any]) -> Plan:
         program_fingerprint=str(o["program_fingerprint"]),
         input_signature=tuple((tuple(int(d) for d in s), str(t)) for s, t in o["input_signature"]),
         stages=tuple(_stage_from_obj(s) for s in o["stages"]),
-        unsharded_primitives=tuple(o["unsharded_primitives"]))
+        unsharded_primitives=tuple(o["unsharded_primitives"]),
+        pipeline=_pipeline_from_obj(o["pipeline"]))

@@ -141,10 +141,16 @@ def megatron_weight_dims(graph: OpGraph, tp: int) -> MegatronLayout:
     return MegatronLayout(assigned, tuple(reads))
 
 
-def batch_dims(graph: OpGraph) -> dict[int, int]:
+def batch_dims(graph: OpGraph, seeds: Mapping[int, int | None] | None = None) -> dict[int, int]:
     """For each tensor that carries the batch, which dimension it is (the leading dimension
-    of the batch inputs, followed through every operator's dimension labels)."""
-    found: dict[int, int] = {t.id: 0 for t in graph.tensors_with_role(Role.BATCH) if t.shape}
+    of the batch inputs, or `seeds[t]` where given, followed through every operator's
+    dimension labels)."""
+    seeds = seeds or {}
+    found: dict[int, int] = {}
+    for t in graph.tensors_with_role(Role.BATCH):
+        d = seeds.get(t.id, 0)
+        if t.shape and d is not None:
+            found[t.id] = d
     for node in graph.nodes:
         ins = [None if t is None else graph.tensors[t].shape for t in node.inputs]
         labels = dim_labels(node.primitive, node.params, ins,
@@ -161,7 +167,8 @@ def batch_dims(graph: OpGraph) -> dict[int, int]:
     return found
 
 
-def _manual_pins(graph: OpGraph, dp: int, tp: int, zero: bool):
+def _manual_pins(graph: OpGraph, dp: int, tp: int, zero: bool,
+                 seeds: Mapping[int, int | None] | None = None):
     layout = megatron_weight_dims(graph, tp)
     weight_dims = layout.weight_dims if tp > 1 else {}
     read_spec = {(n, pos): layout.operand_spec(param, dmap) if tp > 1
@@ -171,7 +178,7 @@ def _manual_pins(graph: OpGraph, dp: int, tp: int, zero: bool):
     # Data parallelism splits the batch dimension and nothing else: dp may only split the
     # dimension that carries the batch; a tensor without one (weights, their gradients,
     # the optimizer update) is whole over dp, except under ZeRO, where it may split.
-    bdims = batch_dims(graph)
+    bdims = batch_dims(graph, seeds)
 
     def node_pin(node, strategy) -> bool:
         # Matmuls read their weights as stored: no weight is resharded in the forward or
@@ -190,7 +197,7 @@ def _manual_pins(graph: OpGraph, dp: int, tp: int, zero: bool):
         dp_dim = spec.dim_of("dp")
         tp_dim = spec.dim_of("tp")
         if t.role is Role.BATCH:
-            return (dp_dim == 0 or dp == 1) and tp_dim is None
+            return (dp == 1 or dp_dim == bdims.get(t.id)) and tp_dim is None
         if t.role is Role.PARAM:
             return dp_dim is None and tp_dim == weight_dims.get(t.id)
         if t.role is Role.OPT_STATE and zero and dp > 1:

@@ -13,6 +13,7 @@ scan body once, which is why FLOPs are counted here from the equations instead.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import inspect
@@ -26,7 +27,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from alpa_lite.graph import Node, OpGraph, Role, Tensor
-from alpa_lite.markers import PARAM, marker_p
+from alpa_lite.markers import PARAM, boundary_p, capture_grad_calls, marker_p
 
 # Calls whose body is inlined into the flat graph, and where each keeps its body.
 _INLINED_CALLS = {
@@ -53,6 +54,10 @@ class TracedStep:
     out_tree: Any                                 # PyTreeDef of the result
     input_avals: tuple[tuple[tuple[int, ...], str], ...]   # (shape, dtype) per input leaf
     fingerprint: str                              # hash of the program's structure
+    # Node positions of `al.mark_layer_boundary` calls (a boundary before node i).
+    boundaries: tuple[int, ...] = ()
+    # With `capture=True`: the captured `al.value_and_grad` calls (see markers.GradCall).
+    grad_calls: tuple[Any, ...] = ()
 
 
 class _Builder:
@@ -65,6 +70,7 @@ class _Builder:
         self.literals: dict[tuple[int, int], Any] = {}
         self.consts: dict[int, Any] = {}
         self.roles: dict[int, Role] = {}
+        self.boundaries: list[int] = []
 
     def new_tensor(self, aval, name: str = "", role: Role = Role.ACTIVATION) -> int:
         tid = len(self.tensors)
@@ -92,6 +98,12 @@ class _Builder:
                     env[v_out] = v_in
                     if not isinstance(v_in, jex.Literal):
                         self.roles.setdefault(v_in, Role.PARAM if kind == PARAM else Role.GRAD)
+                continue
+            if eqn.primitive is boundary_p:
+                for v_in, v_out in zip(in_atoms, eqn.outvars):
+                    env[v_out] = v_in
+                if not self.boundaries or self.boundaries[-1] != len(self.nodes):
+                    self.boundaries.append(len(self.nodes))
                 continue
             if name in _INLINED_CALLS and _INLINED_CALLS[name] in eqn.params:
                 self._inline(eqn, eqn.params[_INLINED_CALLS[name]], in_atoms, env, eqn_scope)
@@ -238,7 +250,8 @@ def _to_abstract(leaf, where: str):
                     "functools.partial instead.")
 
 
-def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int]) -> TracedStep:
+def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
+          capture: bool = False) -> TracedStep:
     """Traces `fn(*args)` into a flat graph without running it.
 
     Args:
@@ -246,6 +259,8 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int]) -> Tr
       args: positional arguments; array leaves or `jax.ShapeDtypeStruct`s.
       batch_argnums: which positional arguments hold the batch (their leaves get
         `Role.BATCH`; the batch must be array-valued).
+      capture: record `al.value_and_grad` calls as one `alpa_grad_call` node each instead
+        of differentiating (for pipelining; see `markers.capture_grad_calls`).
 
     Returns:
       The `TracedStep`.
@@ -265,7 +280,15 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int]) -> Tr
         abstract_args.append(jax.tree_util.tree_unflatten(treedef, leaves))
     flat_abstract, in_tree = jax.tree_util.tree_flatten(tuple(abstract_args))
 
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
+    calls: list = []
+    if capture:
+        # A fresh function object: JAX caches traces per function, and a capturing trace
+        # must neither reuse nor leave behind the plain one.
+        with capture_grad_calls() as calls:
+            closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a),
+                                               return_shape=True)(*abstract_args)
+    else:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
     out_tree = jax.tree_util.tree_structure(out_shape)
 
     b = _Builder()
@@ -288,7 +311,7 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int]) -> Tr
             atom = _materialise(b, atom, v.aval)
         output_ids.append(atom)
 
-    _eliminate_dead_code(b, input_ids, output_ids)
+    _eliminate_dead_code(b, input_ids, output_ids, b.boundaries)
     tensors = list(b.tensors)
     for tid, role in b.roles.items():
         t = tensors[tid]
@@ -309,10 +332,50 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int]) -> Tr
     return TracedStep(graph=graph, primitives=tuple(b.primitives),
                       literals=MappingProxyType(b.literals), consts=MappingProxyType(b.consts),
                       in_tree=in_tree, out_tree=out_tree, input_avals=input_avals,
-                      fingerprint=_fingerprint(graph))
+                      fingerprint=_fingerprint(graph), boundaries=tuple(b.boundaries),
+                      grad_calls=tuple(calls))
 
 
-def _eliminate_dead_code(b: _Builder, input_ids: list[int], output_ids: list[int]) -> None:
+def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
+               names: Sequence[str]) -> TracedStep:
+    """Traces `fn(*leaves)` (array leaves in, a flat tuple of arrays out) into a graph
+    whose inputs carry the given roles; used for the pieces of a pipelined step."""
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    closed = jax.make_jaxpr(fn)(*structs)
+    b = _Builder()
+    env: dict = {}
+    input_ids = []
+    for var, role, name in zip(closed.jaxpr.invars, roles, names):
+        tid = b.new_tensor(var.aval, name, role)
+        env[var] = tid
+        input_ids.append(tid)
+    for var, value in zip(closed.jaxpr.constvars, closed.consts):
+        env[var] = b.add_const(var.aval, value)
+    b.walk(closed.jaxpr, env)
+    output_ids = []
+    for v in closed.jaxpr.outvars:
+        atom = v if isinstance(v, jex.Literal) else env[v]
+        if isinstance(atom, jex.Literal) or atom in input_ids or atom in output_ids:
+            atom = _materialise(b, atom, v.aval)
+        output_ids.append(atom)
+    boundaries = list(b.boundaries)
+    _eliminate_dead_code(b, input_ids, output_ids, boundaries)
+    tensors = list(b.tensors)
+    for tid, role in b.roles.items():
+        if tensors[tid].role is Role.ACTIVATION:
+            tensors[tid] = tensors[tid].replace(role=role)
+    graph = OpGraph(tensors=tuple(tensors), nodes=tuple(b.nodes), inputs=tuple(input_ids),
+                    outputs=tuple(output_ids), output_ties=(None,) * len(output_ids))
+    return TracedStep(graph=graph, primitives=tuple(b.primitives),
+                      literals=MappingProxyType(b.literals), consts=MappingProxyType(b.consts),
+                      in_tree=jax.tree_util.tree_structure(tuple(structs)),
+                      out_tree=jax.tree_util.tree_structure(tuple(output_ids)),
+                      input_avals=tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in structs),
+                      fingerprint=_fingerprint(graph), boundaries=tuple(boundaries))
+
+
+def _eliminate_dead_code(b: _Builder, input_ids: list[int], output_ids: list[int],
+                         boundaries: list[int] | None = None) -> None:
     """Drops equations whose results nothing needs (make_jaxpr keeps them, e.g. the unused
     tangent seeds of a jvp) and the tensors only they touched; renumbers the nodes."""
     needed = set(output_ids)
@@ -337,6 +400,11 @@ def _eliminate_dead_code(b: _Builder, input_ids: list[int], output_ids: list[int
     b.consts = {tensor_map[t]: v for t, v in b.consts.items() if t in tensor_map}
     b.roles = {tensor_map[t]: r for t, r in b.roles.items() if t in tensor_map}
     b.nodes = nodes
+    if boundaries is not None:
+        # A boundary before old node i sits before the first kept node at or after i.
+        kept = sorted(node_map)
+        moved = [bisect.bisect_left(kept, i) for i in boundaries]
+        boundaries[:] = sorted(set(m for m in moved if 0 < m < len(kept)))
     # The callers' id lists are renumbered in place.
     input_ids[:] = [tensor_map[t] for t in input_ids]
     output_ids[:] = [tensor_map[t] for t in output_ids]

@@ -100,6 +100,7 @@ __all__ = [
     "ScheduleResult",
     "simulate",
     "schedule_from_name",
+    "stage_order",
 ]
 
 
@@ -236,6 +237,14 @@ def _stage_order(
         order += [(_F, warmup + k), (_B, k)]
     order += [(_B, i) for i in range(m - warmup, m)]
     return order
+
+
+def stage_order(schedule: Schedule, stage: int, num_stages: int,
+                m: int) -> list[tuple[TaskKind, int]]:
+    """The (kind, micro-batch) sequence stage ``stage`` of ``num_stages`` runs under
+    ``schedule`` with ``m`` micro-batches (forwards and backwards; recomputation is part of
+    a backward). Runtimes issue tasks in this order."""
+    return _stage_order(schedule, stage, num_stages, m)
 
 
 def _peak_in_flight(order: list[tuple[TaskKind, int]]) -> int:

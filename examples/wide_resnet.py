@@ -1,8 +1,12 @@
 """Wide-ResNet (bottleneck blocks) image classifier trained with AdamW.
 
-Plain JAX: convolutions are `lax.conv_general_dilated` in NHWC / HWIO, and batch norm is
-replaced by a per-channel normalisation with the current batch's statistics (training mode,
-no running averages), so the train step stays a pure function of (params, opt_state, batch).
+Plain JAX: convolutions are `lax.conv_general_dilated` in NHWC / HWIO, and batch norm uses
+the statistics of the current batch (training mode, no running averages), so the train step
+stays a pure function of (params, opt_state, batch). The statistics are taken over fixed
+groups of `norm_group_size` images ("ghost batch norm", Hoffer et al., NeurIPS 2017), as
+large-batch training does anyway: every group's result depends on its own images only, so
+a step split into data-parallel shards or pipeline micro-batches of whole groups computes
+exactly what one device computes for the whole batch.
 The blocks follow Alpa's Wide-ResNet (`alpa/model/wide_resnet.py`, from Flax's ImageNet
 ResNet v1): 1x1 conv to `filters`, 3x3 conv (carrying the stride) to `filters x width_factor`,
 1x1 conv to `4 x filters`, and a 1x1 projection on the shortcut when the shape changes.
@@ -59,6 +63,7 @@ class Config:
                                 # (Alpa splits it into micro-batches; plan a smaller
                                 # --batch-size where the planner has none)
     norm_eps: float = 1e-5
+    norm_group_size: int = 16   # images per batch-norm group (batch must be a multiple)
 
     def __post_init__(self):
         if self.num_layers not in STAGE_SIZES:
@@ -79,7 +84,7 @@ def _wrn(num_layers: int, num_channels: int, width_factor: int) -> Config:
 CONFIGS: dict[str, Config] = {
     # For tests and laptops: 32x32 images, 4 bottleneck blocks of 8..64 filters, 16 classes.
     "tiny": Config(image_size=32, num_layers=14, num_channels=8, width_factor=2,
-                   num_classes=16, dtype="float32", batch_size=16),
+                   num_classes=16, dtype="float32", batch_size=16, norm_group_size=4),
     #                 layers  channels  width     (Alpa paper Table 4)
     "250M": _wrn(50, 160, 2),
     "500M": _wrn(50, 224, 2),
@@ -110,12 +115,18 @@ def conv(p: dict, x: jax.Array, stride: int = 1, padding: Any = "SAME") -> jax.A
                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
-def norm(p: dict, x: jax.Array, eps: float = 1e-5) -> jax.Array:
-    """Batch norm in training mode without running statistics: per channel over N, H, W."""
+def norm(p: dict, x: jax.Array, eps: float, group_size: int) -> jax.Array:
+    """Batch norm in training mode without running statistics: per channel over H, W and
+    each group of `group_size` images."""
+    N, H, W, C = x.shape
+    if N % group_size:
+        raise ValueError(f"batch of {N} images is not a multiple of norm_group_size "
+                         f"({group_size}); change the batch size or the group size")
     x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # float32 or wider
-    mean = x32.mean(axis=(0, 1, 2))                                 # (C,)
-    var = jnp.square(x32 - mean).mean(axis=(0, 1, 2))               # (C,)
-    y = (x32 - mean) * lax.rsqrt(var + eps)
+    xg = x32.reshape(N // group_size, group_size, H, W, C)
+    mean = xg.mean(axis=(1, 2, 3), keepdims=True)                   # (G, 1, 1, 1, C)
+    var = jnp.square(xg - mean).mean(axis=(1, 2, 3), keepdims=True)
+    y = ((xg - mean) * lax.rsqrt(var + eps)).reshape(N, H, W, C)
     return y.astype(x.dtype) * p["scale"] + p["bias"]
 
 
@@ -124,14 +135,14 @@ def max_pool(x: jax.Array, window: int, stride: int) -> jax.Array:
                              (1, stride, stride, 1), "SAME")
 
 
-def bottleneck(p: dict, x: jax.Array, stride: int, eps: float) -> jax.Array:
+def bottleneck(p: dict, x: jax.Array, stride: int, eps: float, group: int) -> jax.Array:
     """(N, H, W, C_in) -> (N, H/stride, W/stride, 4 * filters)."""
-    y = jax.nn.relu(norm(p["norm1"], conv(p["conv1"], x), eps))             # (N, H, W, f)
-    y = jax.nn.relu(norm(p["norm2"], conv(p["conv2"], y, stride), eps))     # (N, H/s, W/s, f*w)
-    y = norm(p["norm3"], conv(p["conv3"], y), eps)                          # (N, H/s, W/s, 4f)
+    y = jax.nn.relu(norm(p["norm1"], conv(p["conv1"], x), eps, group))             # (N, H, W, f)
+    y = jax.nn.relu(norm(p["norm2"], conv(p["conv2"], y, stride), eps, group))     # (N, H/s, W/s, f*w)
+    y = norm(p["norm3"], conv(p["conv3"], y), eps, group)                          # (N, H/s, W/s, 4f)
     shortcut = x
     if "proj" in p:
-        shortcut = norm(p["proj_norm"], conv(p["proj"], x, stride), eps)    # (N, H/s, W/s, 4f)
+        shortcut = norm(p["proj_norm"], conv(p["proj"], x, stride), eps, group)    # (N, H/s, W/s, 4f)
     return jax.nn.relu(shortcut + y)
 
 
@@ -194,10 +205,10 @@ def forward(params: dict, images: jax.Array, cfg: Config) -> jax.Array:
     """Logits (B, classes) for images (B, H, W, 3)."""
     eps = cfg.norm_eps
     x = conv(params["stem"]["conv"], images, 2, ((3, 3), (3, 3)))   # (B, H/2, W/2, C)
-    x = jax.nn.relu(norm(params["stem"]["norm"], x, eps))
+    x = jax.nn.relu(norm(params["stem"]["norm"], x, eps, cfg.norm_group_size))
     x = max_pool(x, 3, 2)                                           # (B, H/4, W/4, C)
     for block, (_, stride) in zip(params["blocks"], cfg.blocks()):
-        x = bottleneck(block, x, stride, eps)                       # (B, H', W', 4f)
+        x = bottleneck(block, x, stride, eps, cfg.norm_group_size)                       # (B, H', W', 4f)
     x = x.mean(axis=(1, 2))                                         # (B, 32C)
     return x @ params["head"]["w"] + params["head"]["b"]            # (B, classes)
 

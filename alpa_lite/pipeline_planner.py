@@ -1,0 +1,352 @@
+"""Pipelined plans: layers -> stages x submeshes (the stage DP) -> intra-op ILP per stage.
+
+`make_pipeline_plan(parts, method, cluster)` plans a step split by `pipeline_program`:
+
+- `Manual(dp, tp, pp, ...)`: the layers are split evenly (or as `layer_ranges` says) over pp
+  stages of dp x tp devices each, and every stage gets the Megatron layout of the
+  single-stage planner.
+- `Auto(num_micro_batches=m)`: Alpa's inter-op search. Every layer is planned alone on every
+  logical mesh of every submesh shape (identical layers, e.g. transformer blocks, are solved
+  once: they share a structural hash); a stage's cost on a logical mesh is the sum over its
+  layers, with and without recomputation; `solvers.stage_dp` picks the stages, submeshes
+  and meshes with the least pipeline latency within device memory. The chosen stages are
+  then planned whole, which is what the runtime executes and the estimate reports.
+
+A stage's estimate is its forward+backward ILP objective for one micro-batch (compute and
+the collectives its shardings imply); the step time is the schedule simulator's, with the
+activation transfers between stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Mapping
+
+import numpy as np
+
+from alpa_lite.cost_models.cluster import Cluster
+from alpa_lite.cost_models.collectives import send_recv_time
+from alpa_lite.cost_models.pipeline_schedule import StageTiming, schedule_from_name, simulate
+from alpa_lite.errors import PlanningError
+from alpa_lite.graph import Role
+from alpa_lite.intra_op import StageResult, plan_stage
+from alpa_lite.methods import Auto, Manual
+from alpa_lite.pipeline_program import (StageProgram, StepParts, forward_layers, stage_program,
+                                        structure_hash)
+from alpa_lite.plan import PipelineSpec, Plan, PlanningStats, StagePlan
+from alpa_lite.planner import _manual_pins, _solver, batch_dims
+from alpa_lite.sharding import LogicalMesh, itemsize
+from alpa_lite.solvers.stage_dp import (NoFeasiblePipelineError, StageOption, SubmeshShape,
+                                        solve_stage_dp, submesh_shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    """One range on one logical mesh: what the DP and the estimate need."""
+    result: StageResult
+    forward_s: float
+    backward_s: float
+    param_bytes: float      # per device: params, gradient accumulators, optimizer state
+    act_bytes: float        # per device, per micro-batch in flight, without recomputation
+    input_bytes: float      # per device, per micro-batch in flight, with recomputation
+    output_bytes: float     # whole activations handed to the next stage, per micro-batch
+
+
+class _Planner:
+    def __init__(self, parts: StepParts, cluster: Cluster, solver, time_limit_s: float,
+                 names: Mapping[int, str]):
+        self.parts = parts
+        self.cluster = cluster
+        self.solver = solver
+        self.time_limit_s = time_limit_s
+        self.names = names
+        fwd = parts.forward.graph
+        self.fwd_bdims = batch_dims(fwd)
+        self.opt_ratio = _opt_state_ratio(parts)
+        self.programs: dict[tuple[int, int], StageProgram] = {}
+        self.by_structure: dict[str, StageProgram] = {}
+        self.costs: dict[tuple, StageCost] = {}
+        self.ilps = 0
+
+    def program(self, start: int, stop: int) -> StageProgram:
+        if (start, stop) not in self.programs:
+            h = structure_hash(self.parts.forward, start, stop)
+            prog = stage_program(self.parts.forward, start, stop, self.by_structure.get(h))
+            self.by_structure.setdefault(h, prog)
+            self.programs[(start, stop)] = prog
+        return self.programs[(start, stop)]
+
+    def seeds(self, prog: StageProgram) -> dict[int, int | None]:
+        """Batch dimension of each fb input that is not a parameter (cotangents follow their
+        outputs)."""
+        fb = prog.fb.graph
+        seeds: dict[int, int | None] = {}
+        for t_fb, t in zip(prog.fb_acts, prog.acts):
+            seeds[t_fb] = self.fwd_bdims.get(t)
+        diff_outs = [t for t, d in zip(prog.outputs, prog.diff_outputs) if d]
+        for t_fb, t in zip(prog.fb_cts, diff_outs):
+            seeds[t_fb] = self.fwd_bdims.get(t)
+        del fb
+        return seeds
+
+    def cost(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None) -> StageCost:
+        """The intra-op plan of a range on a logical mesh, memoised by structure."""
+        key = (prog.structure, mesh.shape, mesh.axis_names, mesh.device_offset, manual)
+        if key in self.costs:
+            return self.costs[key]
+        fb = prog.fb.graph
+        pin = node_pin = None
+        if manual is not None:
+            pin, node_pin = _manual_pins(fb, manual.dp, manual.tp, False, self.seeds(prog))
+        names = {}
+        for t_fb, t in zip(prog.fb.graph.inputs, prog.params + prog.acts):
+            names[t_fb] = self.names.get(t, fb.tensors[t_fb].name)
+        self.ilps += 1
+        res = plan_stage(fb, mesh, self.cluster, pin=pin, node_pin=node_pin,
+                         memory_budget_bytes=None, solver=self.solver,
+                         time_limit_s=self.time_limit_s, tensor_names=names)
+        st = res.stage
+        spec = dict(st.tensor_specs)
+        for t, s in zip(fb.inputs, st.input_specs):
+            spec[t] = s
+
+        def local(t):
+            tt = fb.tensors[t]
+            return tt.size * itemsize(tt.dtype) / spec[t].num_shards(mesh)
+
+        params = sum(local(t) for t in prog.fb_params)
+        inputs = sum(local(t) for t in prog.fb_acts)
+        residual = sum(local(t) for t in prog.residuals)
+        fwd_flops = sum(fb.nodes[i].flops for i in prog.fwd_nodes)
+        all_flops = max(sum(n.flops for n in fb.nodes), 1.0)
+        forward_s = st.total_s * fwd_flops / all_flops
+        out_bytes = sum(self.parts.forward.graph.tensors[t].nbytes for t in prog.outputs)
+        cost = StageCost(result=res, forward_s=forward_s, backward_s=st.total_s - forward_s,
+                         param_bytes=params * (2.0 + self.opt_ratio), act_bytes=inputs + residual,
+                         input_bytes=inputs, output_bytes=out_bytes)
+        self.costs[key] = cost
+        return cost
+
+
+def _opt_state_ratio(parts: StepParts) -> float:
+    """Optimizer state bytes per parameter byte (Adam: 2), from the step's inputs."""
+    g = parts.outer.graph
+    node = g.nodes[parts.grad_node]
+    param_ids = {node.inputs[i] for i in parts.call.grad_leaves}
+    params = sum(g.tensors[t].nbytes for t in param_ids)
+    other = sum(t.nbytes for t in g.tensors_with_role(Role.OPT_STATE) if t.id not in param_ids)
+    return other / params if params else 0.0
+
+
+def _layer_node_ranges(starts: tuple[int, ...], n: int) -> list[tuple[int, int]]:
+    ends = list(starts[1:]) + [n]
+    return list(zip(starts, ends))
+
+
+def _send_time(cluster: Cluster, nbytes: float, a: StagePlan, b: StagePlan) -> float:
+    """Moving a stage's outputs to the next submesh: every byte crosses once, spread over
+    the device pairs of the smaller submesh, on the link that joins the two."""
+    if nbytes == 0:
+        return 0.0
+    same_node = {cluster.node_of(d) for d in a.devices} == {cluster.node_of(d) for d in b.devices} \
+        and len({cluster.node_of(d) for d in a.devices}) == 1
+    link = cluster.intra_node if same_node or cluster.inter_node is None else cluster.inter_node
+    pairs = min(len(a.devices), len(b.devices))
+    return send_recv_time(nbytes / pairs, link)
+
+
+def _place(cluster: Cluster, sizes: list[int]) -> list[int]:
+    """First device of each stage's block: blocks aligned to their size inside a node (or to
+    whole nodes), so a submesh never straddles nodes when it need not; largest first."""
+    n, M = cluster.num_devices, cluster.devices_per_node
+    free = [True] * n
+    offsets = [0] * len(sizes)
+    for s in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        size = sizes[s]
+        align = size if size <= M and M % size == 0 else (M if size % M == 0 else 1)
+        for start in range(0, n - size + 1, align):
+            if all(free[start:start + size]):
+                break
+        else:
+            raise PlanningError(f"cannot place submeshes of sizes {sizes} on {n} devices")
+        free[start:start + size] = [False] * size
+        offsets[s] = start
+    return offsets
+
+
+def _logical_shapes(sub: SubmeshShape) -> list[tuple[int, int]]:
+    """Logical (dp, tp) meshes of a submesh: every factorisation inside one node; across
+    nodes, tp within a node (splitting a layer's matmuls over the network is never cheaper
+    than splitting the batch there)."""
+    n = sub.num_devices
+    if sub.num_nodes == 1:
+        return [(n // t, t) for t in range(1, n + 1) if n % t == 0]
+    M = sub.devices_per_node
+    return [(n // t, t) for t in range(1, M + 1) if M % t == 0]
+
+
+def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_fingerprint: str,
+                       input_signature, tensor_names: Mapping[int, str] | None = None) -> Plan:
+    """Plans a pipelined step (module docstring)."""
+    t0 = time.perf_counter()
+    fwd = parts.forward
+    n_nodes = len(fwd.graph.nodes)
+    m = parts.num_micro_batches
+    names = _forward_names(parts, tensor_names or {})
+    solver = _solver(method.solver)
+    planner = _Planner(parts, cluster, solver, method.time_limit_s, names)
+    if isinstance(method, Manual):
+        pp = method.pp
+        if method.num_devices != cluster.num_devices:
+            raise ValueError(f"{method!r}: dp x tp x pp = {method.num_devices} but the cluster "
+                             f"{cluster.name!r} has {cluster.num_devices} devices")
+        starts = forward_layers(fwd, min_layers=pp) if method.layer_ranges is None or \
+            fwd.boundaries else forward_layers(fwd, num_layers=method.layer_ranges[-1][1] + 1)
+        L = len(starts)
+        if pp > L:
+            raise PlanningError(f"pp={pp} stages but the loss function has only {L} layers; "
+                                f"use pp <= {L} or mark more layers with al.mark_layer_boundary")
+        ranges = method.layer_ranges or _even_split(L, pp)
+        if ranges[-1][1] != L - 1:
+            raise PlanningError(f"layer_ranges {ranges} end at layer {ranges[-1][1]} but the "
+                                f"loss function has {L} layers (0..{L - 1}); cover them all")
+        per = method.dp * method.tp
+        bounds = _layer_node_ranges(starts, n_nodes)
+        chosen = []
+        for s, (a, b) in enumerate(ranges):
+            mesh = LogicalMesh((method.dp, method.tp), ("dp", "tp"), device_offset=s * per)
+            chosen.append(((a, b), mesh, method.remat))
+        dp_stats = None
+    elif isinstance(method, Auto):
+        starts = forward_layers(fwd, num_layers=method.num_layers)
+        L = len(starts)
+        bounds = _layer_node_ranges(starts, n_nodes)
+        chosen, dp_stats = _search(planner, method, cluster, bounds, m)
+    else:
+        raise TypeError(f"pipelined plans need al.Auto or al.Manual, got {method!r}")
+    stages = []
+    costs = []
+    for (a, b), mesh, remat in chosen:
+        prog = planner.program(bounds[a][0], bounds[b][1])
+        cost = planner.cost(prog, mesh, method if isinstance(method, Manual) else None)
+        st = cost.result.stage
+        stages.append(dataclasses.replace(
+            st, forward_s=cost.forward_s, backward_s=cost.backward_s, layers=(a, b),
+            remat=remat,
+            total_s=cost.forward_s * (2 if remat else 1) + cost.backward_s,
+            peak_memory_bytes=0.0))
+        costs.append(cost)
+    S = len(stages)
+    for s, cost in enumerate(costs):
+        in_flight = min(S - s, m) if method.schedule == "1f1b" else m
+        act = cost.input_bytes if stages[s].remat else cost.act_bytes
+        stages[s] = dataclasses.replace(stages[s],
+                                        peak_memory_bytes=cost.param_bytes + act * in_flight)
+    sends = [_send_time(cluster, costs[s].output_bytes, stages[s], stages[s + 1])
+             for s in range(S - 1)]
+    timings = [StageTiming(forward_s=st.forward_s, backward_s=st.backward_s,
+                           send_activation_s=sends[s - 1] if s > 0 else 0.0,
+                           send_gradient_s=sends[s] if s < S - 1 else 0.0, remat=st.remat)
+               for s, st in enumerate(stages)]
+    # StageTiming: send_activation_s is the send *from* this stage to the next.
+    timings = [dataclasses.replace(t, send_activation_s=sends[s] if s < S - 1 else 0.0,
+                                   send_gradient_s=sends[s - 1] if s > 0 else 0.0)
+               for s, t in enumerate(timings)]
+    sim = simulate(timings, m, schedule_from_name(method.schedule))
+    spec = PipelineSpec(num_micro_batches=m, schedule=method.schedule, layer_starts=tuple(starts),
+                        loss_scale=parts.loss_scale, forward_fingerprint=fwd.fingerprint,
+                        step_time_s=sim.step_time_s, bubble_fraction=sim.bubble_fraction,
+                        send_s=tuple(sends))
+    unsharded = tuple(sorted({p for c in costs for p in c.result.unsharded_primitives}))
+    stats = PlanningStats(
+        build_s=sum(c.result.build_s for c in planner.costs.values()),
+        solve_s=sum(c.result.solve_s for c in planner.costs.values()),
+        nodes_before_merge=sum(c.result.nodes_before_merge for c in costs),
+        nodes_after_merge=sum(c.result.nodes_after_merge for c in costs),
+        ilp_nodes=sum(c.result.ilp_nodes for c in costs),
+        ilp_variables=sum(c.result.ilp_variables for c in costs),
+        ilp_constraints=sum(c.result.ilp_constraints for c in costs),
+        num_layers=L, layer_ilps=planner.ilps,
+        dp_s=dp_stats.solve_time_s if dp_stats else 0.0,
+        dp_t_max_tried=dp_stats.t_max_tried if dp_stats else 0,
+        dp_cost_queries=dp_stats.cost_queries if dp_stats else 0)
+    del t0
+    return Plan(method=repr(method), cluster_name=cluster.name,
+                cluster_fingerprint=cluster.fingerprint(), program_fingerprint=traced_fingerprint,
+                input_signature=input_signature, stages=tuple(stages),
+                unsharded_primitives=unsharded, pipeline=spec, stats=stats)
+
+
+def _forward_names(parts: StepParts, outer_names: Mapping[int, str]) -> dict[int, str]:
+    """Forward-graph input names from the step's (the loss function's operands are step
+    arguments)."""
+    node = parts.outer.graph.nodes[parts.grad_node]
+    names = {}
+    for t_fwd, t_outer in zip(parts.forward.graph.inputs, node.inputs):
+        if t_outer is not None:
+            names[t_fwd] = outer_names.get(t_outer, parts.outer.graph.tensors[t_outer].name)
+    return names
+
+
+def _even_split(L: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """pp contiguous layer ranges whose sizes differ by at most one (Megatron's uniform
+    split); the extra layers go to the first stages."""
+    base, extra = divmod(L, pp)
+    out, a = [], 0
+    for s in range(pp):
+        size = base + (1 if s < extra else 0)
+        out.append((a, a + size - 1))
+        a += size
+    return tuple(out)
+
+
+def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
+    """Alpa's inter-op search: per-layer intra-op costs, summed per range, into the DP."""
+    N, M = cluster.num_nodes, cluster.devices_per_node
+    shapes = submesh_shapes(N, M)
+    L = len(bounds)
+    budget = method.memory_budget_bytes or cluster.device.memory_bytes
+    # Per layer, per (submesh, logical shape): the layer's cost. Logical meshes are laid at
+    # the start of a node-aligned block; the submesh's place does not change its costs.
+    layer_cost: dict[tuple[int, int, tuple[int, int]], StageCost] = {}
+    for li, (a, b) in enumerate(bounds):
+        prog = planner.program(a, b)
+        for si, sub in enumerate(shapes):
+            for shape in _logical_shapes(sub):
+                mesh = LogicalMesh(shape, ("x", "y"))
+                layer_cost[(li, si, shape)] = planner.cost(prog, mesh, None)
+    prefix: dict[tuple[int, tuple[int, int]], np.ndarray] = {}
+    for si, sub in enumerate(shapes):
+        for shape in _logical_shapes(sub):
+            rows = np.array([[c.forward_s, c.backward_s, c.param_bytes, c.act_bytes,
+                              c.input_bytes] for c in (layer_cost[(li, si, shape)]
+                                                       for li in range(L))])
+            prefix[(si, shape)] = np.vstack([np.zeros(5), np.cumsum(rows, axis=0)])
+    index = {sub: i for i, sub in enumerate(shapes)}
+
+    def options(start: int, end: int, sub: SubmeshShape):
+        si = index[sub]
+        out = []
+        for shape in _logical_shapes(sub):
+            p = prefix[(si, shape)]
+            f, bw, par, act, inp = p[end + 1] - p[start]
+            out.append(StageOption(f + bw, par, act, label=f"{shape}"))
+            out.append(StageOption(2 * f + bw, par, inp, label=f"{shape} remat"))
+        return out
+
+    try:
+        plan, stats = solve_stage_dp(L, N, M, m, options, budget, max_stages=method.max_stages)
+    except NoFeasiblePipelineError as e:
+        raise PlanningError(f"no pipeline plan fits in {budget / 2**30:.1f} GiB per device: "
+                            f"{e}") from None
+    sizes = [st.submesh.num_devices for st in plan.stages]
+    offsets = _place(cluster, sizes)
+    chosen = []
+    for st, off in zip(plan.stages, offsets):
+        label = st.option.label
+        shape = tuple(int(x) for x in label.split(")")[0].strip("(").split(","))
+        chosen.append(((st.start, st.end), LogicalMesh(shape, ("x", "y"), device_offset=off),
+                       label.endswith("remat")))
+    return chosen, stats

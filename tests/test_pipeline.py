@@ -1,0 +1,184 @@
+"""Pipelined plans executed on 8 virtual CPU devices: the same numbers as plain jax.jit.
+
+Every hybrid layout (data x tensor x pipeline parallel) of the GPT, MoE and Wide-ResNet
+examples runs five SGD-momentum steps, with GPipe and with 1F1B and with a micro-batch count
+other than the stage count, and must reproduce the undecorated step's losses and
+parameters. Then: bad input gets clear errors, and plans say what they are.
+"""
+
+import functools
+import importlib
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import alpa_lite as al
+from alpa_lite.errors import PlanningError
+
+STEPS = 5
+# Wide-ResNet's batch norm turns float32 reduction-order differences of ~1e-7 into ~2e-5
+# over five steps (see test_execution.py), hence its looser tolerance.
+RTOL = {"wide_resnet": 1e-4}
+
+LAYOUTS = {
+    "pp2_dp2_tp2_m4_1f1b": al.Manual(dp=2, tp=2, pp=2, num_micro_batches=4, schedule="1f1b"),
+    "pp4_dp2_m2_gpipe": al.Manual(dp=2, pp=4, num_micro_batches=2, schedule="gpipe"),
+    "pp8_m4_1f1b": al.Manual(pp=8, num_micro_batches=4, schedule="1f1b"),
+    "pp2_dp4_m2_gpipe_remat": al.Manual(dp=4, pp=2, num_micro_batches=2, schedule="gpipe",
+                                        remat=True),
+}
+CASES = [(ex, name) for ex in ("gpt", "moe", "wide_resnet") for name in LAYOUTS
+         if not (ex == "wide_resnet" and name == "pp2_dp4_m2_gpipe_remat")]
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(example: str):
+    mod = importlib.import_module(example)
+    cfg = mod.CONFIGS["tiny"]
+    tx = optax.sgd(1e-2, momentum=0.9)
+    params = mod.init_params(cfg, jax.random.PRNGKey(0))
+    batch = mod.make_batch(cfg, cfg.batch_size, jax.random.PRNGKey(1))
+    opt_state = tx.init(params)
+    step = mod.make_train_step(cfg, tx)
+    ref = jax.jit(step)
+    losses, p, s = [], params, opt_state
+    for _ in range(STEPS):
+        p, s, loss = ref(p, s, batch)
+        losses.append(float(loss))
+    return step, (params, opt_state, batch), losses, p
+
+
+@pytest.mark.parametrize("example,layout", CASES)
+def test_hybrid_plan_matches_jit(example, layout):
+    step_fn, (params, opt_state, batch), ref_losses, ref_params = _setup(example)
+    method = LAYOUTS[layout]
+    step = al.parallelize(step_fn, method=method)
+    plan = step.plan(params, opt_state, batch)
+    assert len(plan.stages) == method.pp
+    assert plan.pipeline.num_micro_batches == method.num_micro_batches
+    assert plan.pipeline.schedule == method.schedule
+    covered = [l for st in plan.stages for l in range(st.layers[0], st.layers[1] + 1)]
+    assert covered == list(range(len(plan.pipeline.layer_starts)))
+    devices = [d for st in plan.stages for d in st.devices]
+    assert sorted(devices) == list(range(8))
+    assert all(st.remat == method.remat for st in plan.stages)
+    losses, p, s = [], params, opt_state
+    for _ in range(STEPS):
+        p, s, loss = step(p, s, batch)
+        losses.append(float(loss))
+    rtol = RTOL.get(example, 1e-5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(ref_params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol,
+                                   atol=rtol * float(np.max(np.abs(np.asarray(b)))))
+    # Parameters stay on the stage that owns them (no gather to one device).
+    for leaf in jax.tree_util.tree_leaves(p):
+        assert len(leaf.sharding.device_set) <= 8 // method.pp
+
+
+def test_auto_pipeline_runs_and_matches_jit():
+    step_fn, (params, opt_state, batch), ref_losses, ref_params = _setup("gpt")
+    step = al.parallelize(step_fn, method=al.Auto(num_micro_batches=2))
+    losses, p, s = [], params, opt_state
+    for _ in range(STEPS):
+        p, s, loss = step(p, s, batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    plan = step.plan(params, opt_state, batch)
+    assert plan.pipeline.num_micro_batches == 2
+    assert "stage" in plan.summary()
+
+
+def _marked_step():
+    """A 4-layer MLP whose layers are marked by hand, with its arguments."""
+    import jax.numpy as jnp
+
+    def loss_fn(params, batch):
+        x = batch["x"]
+        for w in params[:-1]:
+            x = al.mark_layer_boundary(jnp.tanh(x @ w))
+        return jnp.mean((jnp.tanh(x @ params[-1]) - batch["y"]) ** 2)   # layer 3: last + loss
+
+    def step(params, batch):
+        loss, grads = al.value_and_grad(loss_fn)(params, batch)
+        return [w - 0.1 * g for w, g in zip(params, grads)], loss
+
+    k = jax.random.split(jax.random.PRNGKey(0), 5)
+    params = [jax.random.normal(k[i], (16, 16)) / 4 for i in range(4)]
+    batch = {"x": jax.random.normal(k[4], (32, 16)), "y": jnp.zeros((32, 16))}
+    return step, params, batch
+
+
+def test_mark_layer_boundary_sets_layers():
+    step, params, batch = _marked_step()
+    # The marker is the identity under plain JAX, forward and backward.
+    plain = jax.jit(step)(params, batch)
+    par = al.parallelize(step, method=al.Manual(dp=2, pp=4, num_micro_batches=4))
+    plan = par.plan(params, batch)
+    assert len(plan.pipeline.layer_starts) == 4
+    assert [st.layers for st in plan.stages] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    out = par(params, batch)
+    np.testing.assert_allclose(float(out[1]), float(plain[1]), rtol=1e-6)
+    for a, b in zip(out[0], plain[0]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_manual_layer_ranges():
+    step_fn, (params, opt_state, batch), ref_losses, _ = _setup("gpt")
+    step = al.parallelize(step_fn, method=al.Manual(dp=4, pp=2, num_micro_batches=2))
+    L = len(step.plan(params, opt_state, batch).pipeline.layer_starts)
+    ranges = ((0, 0), (1, L - 1))
+    step = al.parallelize(step_fn, method=al.Manual(dp=4, pp=2, num_micro_batches=2,
+                                                    layer_ranges=ranges))
+    plan = step.plan(params, opt_state, batch)
+    assert [st.layers for st in plan.stages] == list(ranges)
+    _, _, loss = step(params, opt_state, batch)
+    np.testing.assert_allclose(float(loss), ref_losses[0], rtol=1e-5)
+
+
+def test_bad_pipeline_input():
+    step_fn, (params, opt_state, batch), _, _ = _setup("gpt")
+    with pytest.raises(PlanningError, match="not divisible by num_micro_batches=3"):
+        al.parallelize(step_fn, method=al.Manual(dp=4, pp=2, num_micro_batches=3)).plan(
+            params, opt_state, batch)
+    marked, m_params, m_batch = _marked_step()
+    with pytest.raises(PlanningError, match="cover them all"):
+        al.parallelize(marked, method=al.Manual(pp=2, dp=4, layer_ranges=((0, 0), (1, 2)))
+                       ).plan(m_params, m_batch)        # the model has layers 0..3
+    with pytest.raises(ValueError, match="each exactly once"):
+        al.Manual(pp=2, dp=4, layer_ranges=((0, 1), (1, 3)))      # repeats layer 1
+    with pytest.raises(ValueError, match="each exactly once"):
+        al.Manual(pp=2, dp=4, layer_ranges=((0, 1), (3, 4)))      # skips layer 2
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        al.Manual(pp=2, dp=4, schedule="interleaved")
+    with pytest.raises(ValueError, match="dp x tp x pp"):
+        al.parallelize(step_fn, method=al.Manual(pp=2, dp=2)).plan(params, opt_state, batch)
+
+
+def test_more_stages_than_layers_is_refused():
+    import jax.numpy as jnp
+
+    def loss_fn(w, batch):
+        return jnp.mean(al.mark_layer_boundary(batch["x"] @ w[0]) @ w[1])
+
+    def step(w, batch):
+        loss, g = al.value_and_grad(loss_fn)(w, batch)
+        return [a - b for a, b in zip(w, g)], loss
+
+    w = [jnp.ones((8, 8)), jnp.ones((8, 1))]
+    batch = {"x": jnp.ones((16, 8))}
+    with pytest.raises(PlanningError, match="only 2 layers"):
+        al.parallelize(step, method=al.Manual(pp=4, dp=2)).plan(w, batch)
+
+
+def test_pipelined_plan_json_round_trip_runs():
+    step_fn, (params, opt_state, batch), ref_losses, _ = _setup("moe")
+    step = al.parallelize(step_fn, method=al.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    plan = step.plan(params, opt_state, batch)
+    again = al.Plan.from_json(plan.to_json())
+    assert again.to_json() == plan.to_json()
+    assert again.stages == plan.stages and again.pipeline == plan.pipeline
+    _, _, loss = step.with_plan(again)(params, opt_state, batch)
+    np.testing.assert_allclose(float(loss), ref_losses[0], rtol=1e-5)
