@@ -30,9 +30,28 @@ def plan_summary(plan, max_rows: int = 40) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=110, force_terminal=False, color_system=None)
     console.print(f"alpa_lite plan  method={plan.method}  cluster={plan.cluster_name}")
-    console.print(f"estimated step {_fmt_time(plan.step_time_s)} = compute "
-                  f"{_fmt_time(plan.compute_s)} + communication {_fmt_time(plan.comm_s)}; "
-                  f"peak memory {_fmt_bytes(plan.peak_memory_bytes)} per device")
+    if plan.pipeline is None:
+        console.print(f"estimated step {_fmt_time(plan.step_time_s)} = compute "
+                      f"{_fmt_time(plan.compute_s)} + communication {_fmt_time(plan.comm_s)}; "
+                      f"peak memory {_fmt_bytes(plan.peak_memory_bytes)} per device")
+    else:
+        console.print(f"estimated step {_fmt_time(plan.step_time_s)} (schedule simulated); "
+                      f"peak memory {_fmt_bytes(plan.peak_memory_bytes)} per device")
+    if plan.pipeline is not None:
+        p = plan.pipeline
+        console.print(f"pipeline: {len(plan.stages)} stage(s), {plan.schedule}, "
+                      f"{len(p.layer_starts)} layers, bubble {p.bubble_fraction:.1%}")
+        stages = Table(show_edge=False)
+        for col in ("stage", "layers", "devices", "mesh", "forward", "backward", "remat",
+                    "memory/device"):
+            stages.add_column(col)
+        for i, st in enumerate(plan.stages):
+            mesh = " x ".join(str(s) for s in st.mesh_shape)
+            stages.add_row(str(i), f"{st.layers[0]}..{st.layers[1]}",
+                           f"{st.devices[0]}..{st.devices[-1]}", mesh, _fmt_time(st.forward_s),
+                           _fmt_time(st.backward_s), "yes" if st.remat else "no",
+                           _fmt_bytes(st.peak_memory_bytes))
+        console.print(stages)
     if plan.unsharded_primitives:
         console.print("replicated (no sharding rule): " + ", ".join(plan.unsharded_primitives))
     for i, st in enumerate(plan.stages):

@@ -182,3 +182,49 @@ def test_pipelined_plan_json_round_trip_runs():
     assert again.stages == plan.stages and again.pipeline == plan.pipeline
     _, _, loss = step.with_plan(again)(params, opt_state, batch)
     np.testing.assert_allclose(float(loss), ref_losses[0], rtol=1e-5)
+
+
+def _small_gpt(batch: int = 16):
+    import gpt
+    cfg = gpt.Config(vocab_size=512, seq_len=64, hidden=128, num_layers=4, num_heads=4,
+                     dtype="float32", batch_size=batch)
+    tx = optax.adam(1e-3)
+    return gpt.make_train_step(cfg, tx), gpt.abstract_args(cfg, batch, tx)
+
+
+def test_auto_uses_one_stage_when_memory_is_ample():
+    # Large enough a batch that compute, not gradient all-reduce latency, dominates: then a
+    # pipeline only adds its bubble. (At batch 64 the same model pipelines: two stages
+    # all-reduce half the gradients each, side by side, which the cost model rightly prefers.)
+    step, args = _small_gpt(batch=1024)
+    cluster = al.Cluster.preset("8xH100")
+    plan = al.parallelize(step, method=al.Auto(num_micro_batches=2)).plan(*args, cluster=cluster)
+    assert len(plan.stages) == 1
+    assert plan.peak_memory_bytes <= cluster.device.memory_bytes
+
+
+def test_auto_fits_when_one_device_cannot_hold_the_model():
+    import dataclasses
+    step, args = _small_gpt()
+    state_bytes = sum(np.prod(x.shape) * x.dtype.itemsize
+                      for x in jax.tree_util.tree_leaves(args[:2]))
+    base = al.Cluster.preset("8xH100")
+    # Parameters, gradients and Adam's two moments (4x the parameters, 4/3 of the state
+    # passed in) do not fit one device; split over the devices they do.
+    memory = state_bytes
+    cluster = dataclasses.replace(base, name="8xH100-small",
+                                  device=dataclasses.replace(base.device, memory_bytes=memory))
+    with pytest.raises(PlanningError):
+        _raise_if_fits(step, args, cluster)
+    plan = al.parallelize(step, method=al.Auto(num_micro_batches=2)).plan(*args, cluster=cluster)
+    assert plan.peak_memory_bytes <= memory
+    # Splitting the model is what makes it fit: no stage holds every parameter whole.
+    assert len(plan.stages) > 1 or any(st.mesh_shape[1] > 1 for st in plan.stages)
+
+
+def _raise_if_fits(step, args, cluster):
+    """A replicated single-stage plan does not fit: the test's premise."""
+    plan = al.parallelize(step, method=al.Manual(dp=8, num_micro_batches=2)).plan(
+        *args, cluster=cluster)
+    if plan.peak_memory_bytes > cluster.device.memory_bytes:
+        raise PlanningError("does not fit")
