@@ -20,7 +20,6 @@ activation transfers between stages.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Mapping
 

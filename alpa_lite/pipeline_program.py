@@ -25,7 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from alpa_lite.errors import PlanningError
+from alpa_lite.microbatch import check_microbatching
 from alpa_lite.graph import OpGraph, Role
+from alpa_lite.solvers.layer_clustering import (ClusteringError, ClusteringProblem,
+                                                choose_num_layers, cluster_layers)
 from alpa_lite.tracing import TracedStep, trace, trace_flat
 
 GRAD_CALL = "alpa_grad_call"
@@ -123,7 +126,6 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
         raise PlanningError(f"the loss must be a float scalar, got {out.dtype}{list(out.shape)}")
     scale = 1.0
     if m > 1:
-        from alpa_lite.microbatch import check_microbatching
         full = trace_flat(lambda *xs: (call.loss(*xs),),
                           [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in call.avals],
                           roles, names)
@@ -138,7 +140,6 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
 def clustering_problem(forward: OpGraph):
     """The forward graph as the layer clustering sees it: FLOPs per node, and per activation
     its producer, its last reader and its size."""
-    from alpa_lite.solvers.layer_clustering import ClusteringProblem
     last: dict[int, int] = {}
     for node in forward.nodes:
         for t in node.inputs:
@@ -157,8 +158,6 @@ def forward_layers(forward: TracedStep, num_layers: int | None = None,
     """The first forward node of each layer: the user's `al.mark_layer_boundary` calls when
     there are any, else the layer clustering (`num_layers` layers, or chosen from
     `min_layers` ... 64 when None)."""
-    from alpa_lite.solvers.layer_clustering import (ClusteringError, choose_num_layers,
-                                                    cluster_layers)
     n = len(forward.graph.nodes)
     if forward.boundaries:
         starts = (0,) + tuple(b for b in forward.boundaries if 0 < b < n)
@@ -184,7 +183,6 @@ def forward_layers(forward: TracedStep, num_layers: int | None = None,
 def _cluster_relaxed(problem, num_layers: int, eps: float) -> tuple[int, ...]:
     """`num_layers` layers within eps of balance if possible, else with the smallest eps
     that admits any clustering (the balance is a preference, the layer count is not)."""
-    from alpa_lite.solvers.layer_clustering import ClusteringError, cluster_layers
     try:
         return cluster_layers(problem, num_layers, eps).boundaries
     except ClusteringError as e:
