@@ -91,10 +91,12 @@ class _Planner:
         return seeds
 
     def cost(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None) -> StageCost:
-        """The intra-op plan of a range on a logical mesh, memoised by structure."""
-        key = (prog.structure, mesh.shape, mesh.axis_names, mesh.device_offset, manual)
+        """The intra-op plan of a range on a logical mesh, memoised by structure. Submeshes
+        are placed node-aligned (`_place`), where a block's links do not depend on where it
+        starts, so one plan serves every offset (its device list is moved)."""
+        key = (prog.structure, mesh.shape, mesh.axis_names, manual)
         if key in self.costs:
-            return self.costs[key]
+            return _moved(self.costs[key], mesh.device_offset)
         fb = prog.fb.graph
         pin = node_pin = None
         if manual is not None:
@@ -127,6 +129,14 @@ class _Planner:
                          input_bytes=inputs, output_bytes=out_bytes)
         self.costs[key] = cost
         return cost
+
+
+def _moved(cost: StageCost, offset: int) -> StageCost:
+    st = cost.result.stage
+    if st.devices[0] == offset:
+        return cost
+    stage = dataclasses.replace(st, devices=tuple(range(offset, offset + len(st.devices))))
+    return dataclasses.replace(cost, result=dataclasses.replace(cost.result, stage=stage))
 
 
 def _opt_state_ratio(parts: StepParts) -> float:

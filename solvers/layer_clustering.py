@@ -107,6 +107,7 @@ __all__ = [
     "choose_num_layers",
     "cluster_layers",
     "cut_costs",
+    "thin_layer_counts",
 ]
 
 BRUTE_FORCE_MAX_CUT_SETS = 200_000
@@ -319,35 +320,17 @@ def cluster_layers(problem: ClusteringProblem, num_layers: int, eps: float = 0.1
     return _make_clustering(prefix, x, boundaries)
 
 
-def choose_num_layers(
+def thin_layer_counts(
     problem: ClusteringProblem, candidates: Sequence[int] | None = None, eps: float = 0.1
-) -> Clustering:
-    """Pick L when the user gives none, then cluster into L layers.
+) -> tuple[int, ...]:
+    """The layer counts ``choose_num_layers`` may pick from, largest first.
 
-    Rule: let M*(L) be the smallest max cut of an L-layer clustering (phase 1 of the module
-    docstring) and M_min = min over feasible candidates L ≥ 2 of M*(L). Return the clustering
-    for the *largest* feasible L ≥ 2 with M*(L) ≤ (1 + eps) · M_min; L = 1 only when no
-    L ≥ 2 is feasible.
-
-    Why: layers are the units the stage DP assigns to pipeline stages, so more layers give
-    it more freedom (finer balance, more stages possible) and cost nothing in the stage DP
-    beyond time. But each extra layer boundary is a place where activations may be sent
-    between stages, and past some L the FLOPs cap forces cuts inside a block, through a
-    fat tensor such as attention scores. M*(L) jumps at exactly that L, so the rule keeps
-    the finest clustering that still cuts only where the model is thin. A single layer is
-    left out of M_min because it has no cut at all (M* = 0) and would make every real
-    clustering look fat. eps doubles as the slack on cut bytes, so a cut a few percent
-    fatter than the thinnest one (e.g. a residual plus a small mask) still counts as thin.
-
-    Args:
-        problem: the ops' FLOPs and the activations between them.
-        candidates: the L to consider; default every L from 1 to min(n, 64). Candidates
-            larger than the number of ops are skipped.
-        eps: balance slack for the FLOPs cap, and the slack on max cut bytes above.
+    Every feasible candidate L ≥ 2 whose smallest max cut M*(L) is within (1 + eps) of the
+    thinnest over all feasible L ≥ 2 (module docstring of ``choose_num_layers``); ``(1,)``
+    when no L ≥ 2 is feasible but L = 1 is a candidate.
 
     Raises:
-        ClusteringError: if no candidate has a clustering within the FLOPs cap.
-        ValueError: if candidates is empty or holds a non-integer or an L < 1.
+        ClusteringError, ValueError: as ``choose_num_layers``.
     """
     eps = _check_eps(eps)
     n = problem.num_ops
@@ -380,10 +363,43 @@ def choose_num_layers(
         raise _infeasible_error(problem, prefix, tried[0], eps)
     multi = {L: m for L, m in max_cut.items() if L >= 2}
     if not multi:
-        return cluster_layers(problem, 1, eps)
+        return (1,)
     thinnest = min(multi.values())
-    chosen = max(L for L, m in multi.items() if m <= (1 + eps) * thinnest)
-    return cluster_layers(problem, chosen, eps)
+    return tuple(sorted((L for L, m in multi.items() if m <= (1 + eps) * thinnest),
+                        reverse=True))
+
+
+def choose_num_layers(
+    problem: ClusteringProblem, candidates: Sequence[int] | None = None, eps: float = 0.1
+) -> Clustering:
+    """Pick L when the user gives none, then cluster into L layers.
+
+    Rule: let M*(L) be the smallest max cut of an L-layer clustering (phase 1 of the module
+    docstring) and M_min = min over feasible candidates L ≥ 2 of M*(L). Return the clustering
+    for the *largest* feasible L ≥ 2 with M*(L) ≤ (1 + eps) · M_min; L = 1 only when no
+    L ≥ 2 is feasible.
+
+    Why: layers are the units the stage DP assigns to pipeline stages, so more layers give
+    it more freedom (finer balance, more stages possible) and cost nothing in the stage DP
+    beyond time. But each extra layer boundary is a place where activations may be sent
+    between stages, and past some L the FLOPs cap forces cuts inside a block, through a
+    fat tensor such as attention scores. M*(L) jumps at exactly that L, so the rule keeps
+    the finest clustering that still cuts only where the model is thin. A single layer is
+    left out of M_min because it has no cut at all (M* = 0) and would make every real
+    clustering look fat. eps doubles as the slack on cut bytes, so a cut a few percent
+    fatter than the thinnest one (e.g. a residual plus a small mask) still counts as thin.
+
+    Args:
+        problem: the ops' FLOPs and the activations between them.
+        candidates: the L to consider; default every L from 1 to min(n, 64). Candidates
+            larger than the number of ops are skipped.
+        eps: balance slack for the FLOPs cap, and the slack on max cut bytes above.
+
+    Raises:
+        ClusteringError: if no candidate has a clustering within the FLOPs cap.
+        ValueError: if candidates is empty or holds a non-integer or an L < 1.
+    """
+    return cluster_layers(problem, thin_layer_counts(problem, candidates, eps)[0], eps)
 
 
 def brute_force_clustering(

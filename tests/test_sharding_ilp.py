@@ -98,7 +98,8 @@ def test_random_graphs_match_brute_force(solver, with_budget):
             (EdgeFormulation.PRODUCT_BOUND, False),
         ]:
             got = solve_sharding_ilp(
-                problem, solver, edge_formulation=formulation, presolve=presolve
+                problem, solver, edge_formulation=formulation, presolve=presolve,
+                eliminate=False,
             )
             assert got.status == "optimal", (trial, formulation, presolve)
             if presolve:
@@ -110,6 +111,27 @@ def test_random_graphs_match_brute_force(solver, with_budget):
                 problem, got.choices
             )
     assert sum(size > 0 for size in presolved_sizes) >= 3  # presolve did not solve them all
+
+
+def test_elimination_equals_brute_force():
+    """Bucket elimination (no memory budget) against enumeration, on dense random graphs
+    whose presolve leaves nodes of degree > 2 behind."""
+    rng = np.random.default_rng(11)
+    solved_by_elimination = 0
+    for _ in range(30):
+        n = int(rng.integers(4, 9))
+        counts = rng.integers(2, 5, size=n)
+        nodes = tuple(ILPNode(f"v{v}", tuple(rng.random(k))) for v, k in enumerate(counts))
+        edges = tuple(ILPEdge(u, v, rng.random((counts[u], counts[v])))
+                      for u in range(n) for v in range(u + 1, n) if rng.random() < 0.6)
+        problem = ShardingProblem(nodes, edges)
+        got = solve_sharding_ilp(problem, Solver.HIGHS)
+        want = brute_force(problem)
+        assert_same_objective(got, want)
+        assert (got.node_cost_s, got.edge_cost_s, got.memory_bytes) == evaluate(problem,
+                                                                               got.choices)
+        solved_by_elimination += got.solver == "elimination"
+    assert solved_by_elimination >= 5     # the rest presolve alone solved
 
 
 def test_presolve_is_exact_on_larger_random_graphs():
