@@ -141,7 +141,9 @@ class PipelineExecutable:
                 self.param_home.setdefault(t, s)
         loss = fwd.outputs[0]
         self.loss_stage = self.maker[loss]
-        # The apply part: each outer node runs on one stage (the owner of what it reads).
+        # The apply part: each outer node runs on the stage holding its largest placed
+        # operand (ties: the earlier stage), so big tensors stay where they are and only
+        # small values (a global gradient norm, a step count) move.
         outer = parts.outer.graph
         grad_node = outer.nodes[parts.grad_node]
         fwd_of_outer = {t_o: t_f for t_f, t_o in zip(fwd.inputs, grad_node.inputs)
@@ -157,9 +159,10 @@ class PipelineExecutable:
         deferred = []
         for nid in parts.apply_nodes:
             node = outer.nodes[nid]
-            hs = [home[t] for t in node.inputs if t is not None and t in home]
-            if hs:
-                node_home[nid] = min(hs)
+            placed = [(outer.tensors[t].nbytes, -home[t]) for t in node.inputs
+                      if t is not None and t in home]
+            if placed:
+                node_home[nid] = -max(placed)[1]
                 for t in node.outputs:
                     home[t] = node_home[nid]
             else:

@@ -21,6 +21,8 @@ Run:
     python bench/pipeline_search.py --quick        # GPT 350M/1, 1.3B/4, MoE 380M/1
     python bench/pipeline_search.py                # the whole ladder (long on 2 cores)
     python bench/pipeline_search.py --cases gpt:2.6B:8 moe:380M:1
+    python bench/pipeline_search.py --auto-only --micro-batches 64 --batch 1024 \
+        --cases gpt:39B:64 gpt:175B:1024:A100 --out bench/results/pipeline_search_time.json
 Writes bench/results/pipeline_search.json (``--out`` to change).
 """
 
@@ -56,9 +58,9 @@ LADDER = [("gpt", "350M", 1), ("gpt", "1.3B", 4), ("gpt", "2.6B", 8),
 QUICK = [("gpt", "350M", 1), ("gpt", "1.3B", 4), ("moe", "380M", 1)]
 
 
-def cluster_of(gpus: int) -> al.Cluster:
-    base = al.Cluster.preset("8x8xV100")
-    return dataclasses.replace(base, name=f"{gpus}xV100", num_nodes=max(1, gpus // 8),
+def cluster_of(gpus: int, device: str = "V100") -> al.Cluster:
+    base = al.Cluster.preset(f"8x8x{device}")
+    return dataclasses.replace(base, name=f"{gpus}x{device}", num_nodes=max(1, gpus // 8),
                                devices_per_node=min(8, gpus),
                                inter_node=base.inter_node if gpus > 8 else None)
 
@@ -82,10 +84,13 @@ def fits(plan, cluster) -> bool:
     return plan.peak_memory_bytes <= cluster.device.memory_bytes
 
 
-def run_case(name, size, gpus, batch, micro_batches):
+def run_case(name, size, gpus, batch, micro_batches, device="V100", grid=True):
     mod = MODULES[name]
-    cfg = dataclasses.replace(mod.CONFIGS[size], dtype="float16")
-    cluster = cluster_of(gpus)
+    # V100s have no bfloat16: Alpa's V100 runs used float16.
+    cfg = mod.CONFIGS[size]
+    if device == "V100":
+        cfg = dataclasses.replace(cfg, dtype="float16")
+    cluster = cluster_of(gpus, device)
     best_auto = None
     for m in micro_batches:
         try:
@@ -97,7 +102,7 @@ def run_case(name, size, gpus, batch, micro_batches):
             best_auto = (plan, wall, m)
     best_manual = None
     tried = 0
-    for dp, tp, pp in megatron_grid(gpus, cluster.devices_per_node):
+    for dp, tp, pp in megatron_grid(gpus, cluster.devices_per_node) if grid else ():
         for m, remat in ((m, r) for m in micro_batches for r in (False, True)):
             if (batch // m) % dp or (remat and pp == 1 and m == 1):
                 continue
@@ -112,7 +117,7 @@ def run_case(name, size, gpus, batch, micro_batches):
                 continue
             if best_manual is None or plan.step_time_s < best_manual[0].step_time_s:
                 best_manual = (plan, (dp, tp, pp, m, remat))
-    return {"model": name, "size": size, "gpus": gpus, "batch": batch,
+    return {"model": name, "size": size, "gpus": gpus, "device": device, "batch": batch,
             "auto": None if best_auto is None else _describe(best_auto[0]) | {
                 "plan_wall_s": best_auto[1], "num_micro_batches": best_auto[2]},
             "megatron": None if best_manual is None else _describe(best_manual[0]) | {
@@ -134,21 +139,27 @@ def _describe(plan) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--cases", nargs="*", help="model:size:gpus, e.g. gpt:2.6B:8")
+    ap.add_argument("--cases", nargs="*",
+                    help="model:size:gpus[:device], e.g. gpt:2.6B:8 or gpt:175B:1024:A100")
+    ap.add_argument("--auto-only", action="store_true",
+                    help="plan only with Auto (planning time), not the Megatron grid")
     ap.add_argument("--batch", type=int, default=64,
                     help="global batch (sequences / images) of every case")
     ap.add_argument("--micro-batches", type=int, nargs="*", default=[1, 4, 16])
     ap.add_argument("--out", type=Path, default=_common.RESULTS_DIR / "pipeline_search.json")
     args = ap.parse_args()
-    cases = [(c.split(":")[0], c.split(":")[1], int(c.split(":")[2])) for c in args.cases] \
-        if args.cases else QUICK if args.quick else LADDER
+    cases = [tuple(c.split(":")) for c in args.cases] if args.cases else \
+        QUICK if args.quick else LADDER
     rows, results = [], []
-    for name, size, gpus in cases:
-        r = run_case(name, size, gpus, args.batch, args.micro_batches)
+    for case in cases:
+        name, size, gpus = case[0], case[1], int(case[2])
+        device = case[3] if len(case) > 3 else "V100"
+        r = run_case(name, size, gpus, args.batch, args.micro_batches, device,
+                     grid=not args.auto_only)
         results.append(r)
         a, g = r["auto"], r["megatron"]
         speedup = g["step_time_s"] / a["step_time_s"] if a and g else float("nan")
-        rows.append([f"{name}-{size}", str(gpus),
+        rows.append([f"{name}-{size}", f"{gpus} {device}",
                      f"{a['plan_wall_s']:.1f}" if a else "-",
                      f"{a['trace_s']:.1f}/{a['ilp_build_s']:.1f}/{a['ilp_solve_s']:.1f}/"
                      f"{a['dp_s']:.2f}" if a else "-",

@@ -19,6 +19,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import dataclasses
 import functools
 import math
 import pathlib
@@ -76,6 +77,8 @@ CONFIGS: dict[str, Config] = {
     "6.7B": _gpt(4096, 32, 32),
     "15B": _gpt(5120, 48, 40),
     "39B": _gpt(8192, 48, 64),
+    # GPT-3 (Brown et al., 2020, Table 2.1: 96 layers, d_model 12288, 96 heads, context 2048).
+    "175B": dataclasses.replace(_gpt(12288, 96, 96), seq_len=2048),
 }
 
 
