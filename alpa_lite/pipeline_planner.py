@@ -20,7 +20,6 @@ activation transfers between stages.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Mapping
 
 import numpy as np
@@ -80,15 +79,30 @@ class _Planner:
     def seeds(self, prog: StageProgram) -> dict[int, int | None]:
         """Batch dimension of each fb input that is not a parameter (cotangents follow their
         outputs)."""
-        fb = prog.fb.graph
         seeds: dict[int, int | None] = {}
         for t_fb, t in zip(prog.fb_acts, prog.acts):
             seeds[t_fb] = self.fwd_bdims.get(t)
         diff_outs = [t for t, d in zip(prog.outputs, prog.diff_outputs) if d]
         for t_fb, t in zip(prog.fb_cts, diff_outs):
             seeds[t_fb] = self.fwd_bdims.get(t)
-        del fb
         return seeds
+
+    def input_names(self, prog: StageProgram) -> dict[int, str]:
+        """The step's names for the stage's parameters and inputs (fb tensor id -> name)."""
+        fb = prog.fb.graph
+        return {t_fb: self.names.get(t, fb.tensors[t_fb].name)
+                for t_fb, t in zip(fb.inputs, prog.params + prog.acts)}
+
+    def _renamed(self, cost: StageCost, prog: StageProgram) -> StageCost:
+        """A memoised plan with this range's own input names in its sharding table (the
+        table starts with the stage inputs, in order)."""
+        st = cost.result.stage
+        names = self.input_names(prog)
+        fb_inputs = prog.fb.graph.inputs
+        table = tuple((names.get(fb_inputs[i], n), spec) if i < len(fb_inputs) else (n, spec)
+                      for i, (n, spec) in enumerate(st.shardings))
+        stage = dataclasses.replace(st, shardings=table)
+        return dataclasses.replace(cost, result=dataclasses.replace(cost.result, stage=stage))
 
     def cost(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None) -> StageCost:
         """The intra-op plan of a range on a logical mesh, memoised by structure. Submeshes
@@ -96,14 +110,12 @@ class _Planner:
         starts, so one plan serves every offset (its device list is moved)."""
         key = (prog.structure, mesh.shape, mesh.axis_names, manual)
         if key in self.costs:
-            return _moved(self.costs[key], mesh.device_offset)
+            return self._renamed(_moved(self.costs[key], mesh.device_offset), prog)
         fb = prog.fb.graph
         pin = node_pin = None
         if manual is not None:
             pin, node_pin = _manual_pins(fb, manual.dp, manual.tp, False, self.seeds(prog))
-        names = {}
-        for t_fb, t in zip(prog.fb.graph.inputs, prog.params + prog.acts):
-            names[t_fb] = self.names.get(t, fb.tensors[t_fb].name)
+        names = self.input_names(prog)
         self.ilps += 1
         res = plan_stage(fb, mesh, self.cluster, pin=pin, node_pin=node_pin,
                          memory_budget_bytes=None, solver=self.solver,
@@ -199,7 +211,6 @@ def _logical_shapes(sub: SubmeshShape) -> list[tuple[int, int]]:
 def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_fingerprint: str,
                        input_signature, tensor_names: Mapping[int, str] | None = None) -> Plan:
     """Plans a pipelined step (module docstring)."""
-    t0 = time.perf_counter()
     fwd = parts.forward
     n_nodes = len(fwd.graph.nodes)
     m = parts.num_micro_batches
@@ -211,8 +222,10 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         if method.num_devices != cluster.num_devices:
             raise ValueError(f"{method!r}: dp x tp x pp = {method.num_devices} but the cluster "
                              f"{cluster.name!r} has {cluster.num_devices} devices")
-        starts = forward_layers(fwd, min_layers=pp) if method.layer_ranges is None or \
-            fwd.boundaries else forward_layers(fwd, num_layers=method.layer_ranges[-1][1] + 1)
+        if method.layer_ranges is None or fwd.boundaries:
+            starts = forward_layers(fwd, min_layers=pp)
+        else:   # the ranges say how many layers to cluster into
+            starts = forward_layers(fwd, num_layers=method.layer_ranges[-1][1] + 1)
         L = len(starts)
         if pp > L:
             raise PlanningError(f"pp={pp} stages but the loss function has only {L} layers; "
@@ -255,14 +268,12 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
                                         peak_memory_bytes=cost.param_bytes + act * in_flight)
     sends = [_send_time(cluster, costs[s].output_bytes, stages[s], stages[s + 1])
              for s in range(S - 1)]
+    # Stage s sends its outputs to s + 1, and the gradient of its inputs (the same bytes)
+    # back to s - 1.
     timings = [StageTiming(forward_s=st.forward_s, backward_s=st.backward_s,
-                           send_activation_s=sends[s - 1] if s > 0 else 0.0,
-                           send_gradient_s=sends[s] if s < S - 1 else 0.0, remat=st.remat)
+                           send_activation_s=sends[s] if s < S - 1 else 0.0,
+                           send_gradient_s=sends[s - 1] if s > 0 else 0.0, remat=st.remat)
                for s, st in enumerate(stages)]
-    # StageTiming: send_activation_s is the send *from* this stage to the next.
-    timings = [dataclasses.replace(t, send_activation_s=sends[s] if s < S - 1 else 0.0,
-                                   send_gradient_s=sends[s - 1] if s > 0 else 0.0)
-               for s, t in enumerate(timings)]
     sim = simulate(timings, m, schedule_from_name(method.schedule))
     spec = PipelineSpec(num_micro_batches=m, schedule=method.schedule, layer_starts=tuple(starts),
                         loss_scale=parts.loss_scale, forward_fingerprint=fwd.fingerprint,
@@ -281,7 +292,6 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         dp_s=dp_stats.solve_time_s if dp_stats else 0.0,
         dp_t_max_tried=dp_stats.t_max_tried if dp_stats else 0,
         dp_cost_queries=dp_stats.cost_queries if dp_stats else 0)
-    del t0
     return Plan(method=repr(method), cluster_name=cluster.name,
                 cluster_fingerprint=cluster.fingerprint(), program_fingerprint=traced_fingerprint,
                 input_signature=input_signature, stages=tuple(stages),

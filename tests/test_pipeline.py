@@ -251,3 +251,15 @@ def test_optimizer_with_global_norm_and_step_count_runs_across_stages():
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=3e-3)
     for leaf in jax.tree_util.tree_leaves(b):
         assert len(leaf.sharding.device_set) <= 4
+
+
+def test_stage_tables_name_their_own_parameters():
+    """Stages of identical structure share one intra-op solve; each table still names the
+    parameters that stage holds."""
+    step, params, batch = _marked_step()
+    plan = al.parallelize(step, method=al.Manual(dp=2, pp=4, num_micro_batches=2)).plan(
+        params, batch)
+    for s, st in enumerate(plan.stages):
+        names = [n for n, _ in st.shardings if n.startswith("params/")]
+        assert names == [f"params/{s}"], (s, names)
+    assert "layers" in plan.summary() and "1f1b x 2 micro-batches" in plan.summary()
