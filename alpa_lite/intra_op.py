@@ -24,7 +24,7 @@ import numpy as np
 
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import PlanningError
-from alpa_lite.graph import OpGraph, Tensor
+from alpa_lite.graph import OpGraph, Role, Tensor
 from alpa_lite.grouping import Group, build_groups, follow_targets, repeated_group_classes
 from alpa_lite.plan import CollectiveSummary, StagePlan
 from alpa_lite.sharding import (CollectiveOp, CommModel, LogicalMesh, TensorSpec, itemsize,
@@ -45,6 +45,11 @@ class StageResult:
     ilp_constraints: int
     build_s: float
     solve_s: float
+    # The ILP's memory model (per device, bytes live at the unsharded program's peak): the
+    # chosen plan's, and the least any plan reaches (memory is a sum over choices, so this
+    # is exact).
+    memory_bytes: float = 0.0
+    min_memory_bytes: float = 0.0
 
 
 def _live_at_peak(graph: OpGraph) -> set[int]:
@@ -82,7 +87,8 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
                memory_budget_bytes: float | None = None,
                solver: Solver = Solver.HIGHS, time_limit_s: float = 60.0,
                tensor_names: dict[int, str] | None = None,
-               tie_repeated: bool = True) -> StageResult:
+               tie_repeated: bool = True,
+               param_memory_factor: float = 1.0) -> StageResult:
     """Solves the intra-op sharding problem of `graph` on `mesh`.
 
     Args:
@@ -96,6 +102,8 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
       tensor_names: readable names for the sharding table (default: tensor names).
       tie_repeated: give structurally identical groups (the same operator in each of a
         model's repeated layers) one shared choice; see `repeated_group_classes`.
+      param_memory_factor: bytes counted per parameter byte in the memory model (e.g. 4 for
+        a parameter, its gradient and Adam's two moments, which live as long as it does).
 
     Returns:
       The `StageResult`, whose `stage` is ready for the runtime.
@@ -124,7 +132,8 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
                 t = graph.tensors[tid]
                 for s in range(len(g.cost)):
                     spec = units.strategies[u][g.choice[u][s]].out_specs[k]
-                    g.memory[s] += t.size * itemsize(t.dtype) / spec.num_shards(mesh)
+                    factor = param_memory_factor if t.role is Role.PARAM else 1.0
+                    g.memory[s] += factor * t.size * itemsize(t.dtype) / spec.num_shards(mesh)
 
     # Edges: every tensor read that is not a follow link.
     edges: dict[tuple[int, int], np.ndarray] = {}
@@ -212,7 +221,9 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
                        nodes_before_merge=len(units.strategies), nodes_after_merge=len(groups),
                        ilp_nodes=len(problem.nodes),
                        ilp_variables=sol.num_variables, ilp_constraints=sol.num_constraints,
-                       build_s=build_s, solve_s=sol.solve_time_s)
+                       build_s=build_s, solve_s=sol.solve_time_s, memory_bytes=sol.memory_bytes,
+                       min_memory_bytes=float(sum(min(n.memory) for n in problem.nodes
+                                                  if n.memory)))
 
 
 def _tied_problem(graph, units, groups, edges, cls, memory_budget_bytes) -> ShardingProblem:

@@ -104,11 +104,13 @@ class _Planner:
         stage = dataclasses.replace(st, shardings=table)
         return dataclasses.replace(cost, result=dataclasses.replace(cost.result, stage=stage))
 
-    def cost(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None) -> StageCost:
-        """The intra-op plan of a range on a logical mesh, memoised by structure. Submeshes
-        are placed node-aligned (`_place`), where a block's links do not depend on where it
+    def cost(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+             budget: float | None = None) -> StageCost:
+        """The intra-op plan of a range on a logical mesh (the fastest, or the fastest within
+        `budget` bytes of the ILP's memory model), memoised by structure. Submeshes are
+        placed node-aligned (`_place`), where a block's links do not depend on where it
         starts, so one plan serves every offset (its device list is moved)."""
-        key = (prog.structure, mesh.shape, mesh.axis_names, manual)
+        key = (prog.structure, mesh.shape, mesh.axis_names, manual, budget)
         if key in self.costs:
             return self._renamed(_moved(self.costs[key], mesh.device_offset), prog)
         fb = prog.fb.graph
@@ -118,8 +120,9 @@ class _Planner:
         names = self.input_names(prog)
         self.ilps += 1
         res = plan_stage(fb, mesh, self.cluster, pin=pin, node_pin=node_pin,
-                         memory_budget_bytes=None, solver=self.solver,
-                         time_limit_s=self.time_limit_s, tensor_names=names)
+                         memory_budget_bytes=budget, solver=self.solver,
+                         time_limit_s=self.time_limit_s, tensor_names=names,
+                         param_memory_factor=2.0 + self.opt_ratio)
         st = res.stage
         spec = dict(st.tensor_specs)
         for t, s in zip(fb.inputs, st.input_specs):
@@ -149,6 +152,12 @@ def _moved(cost: StageCost, offset: int) -> StageCost:
         return cost
     stage = dataclasses.replace(st, devices=tuple(range(offset, offset + len(st.devices))))
     return dataclasses.replace(cost, result=dataclasses.replace(cost.result, stage=stage))
+
+
+# A layer gets a memory-lean option when its fastest sharding needs more than LEAN_TRIGGER x
+# the least memory any sharding needs; the lean option is the fastest within LEAN_SLACK x it.
+LEAN_TRIGGER = 1.5
+LEAN_SLACK = 1.25
 
 
 def _opt_state_ratio(parts: StepParts) -> float:
@@ -239,7 +248,7 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         chosen = []
         for s, (a, b) in enumerate(ranges):
             mesh = LogicalMesh((method.dp, method.tp), ("dp", "tp"), device_offset=s * per)
-            chosen.append(((a, b), mesh, method.remat))
+            chosen.append(((a, b), mesh, method.remat, None))
         dp_stats = None
     elif isinstance(method, Auto):
         starts = forward_layers(fwd, num_layers=method.num_layers)
@@ -250,9 +259,9 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         raise TypeError(f"pipelined plans need al.Auto or al.Manual, got {method!r}")
     stages = []
     costs = []
-    for (a, b), mesh, remat in chosen:
+    for (a, b), mesh, remat, budget in chosen:
         prog = planner.program(bounds[a][0], bounds[b][1])
-        cost = planner.cost(prog, mesh, method if isinstance(method, Manual) else None)
+        cost = planner.cost(prog, mesh, method if isinstance(method, Manual) else None, budget)
         st = cost.result.stage
         stages.append(dataclasses.replace(
             st, forward_s=cost.forward_s, backward_s=cost.backward_s, layers=(a, b),
@@ -329,30 +338,43 @@ def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
     budget = method.memory_budget_bytes or cluster.device.memory_bytes
     # Per layer, per (submesh, logical shape): the layer's cost. Logical meshes are laid at
     # the start of a node-aligned block; the submesh's place does not change its costs.
-    layer_cost: dict[tuple[int, int, tuple[int, int]], StageCost] = {}
+    # Two options per layer and logical mesh: the fastest sharding, and, where it holds
+    # clearly more than the least memory any sharding needs, the fastest within
+    # LEAN_SLACK x that least (weights split rather than replicated): the per-layer solves
+    # have no budget of their own, so without it a model whose fastest layers replicate
+    # their weights would have nothing that fits.
+    rows: dict[tuple[int, tuple[int, int], str], list] = {}
     for li, (a, b) in enumerate(bounds):
         prog = planner.program(a, b)
         for si, sub in enumerate(shapes):
             for shape in _logical_shapes(sub):
                 mesh = LogicalMesh(shape, ("x", "y"))
-                layer_cost[(li, si, shape)] = planner.cost(prog, mesh, None)
-    prefix: dict[tuple[int, tuple[int, int]], np.ndarray] = {}
-    for si, sub in enumerate(shapes):
-        for shape in _logical_shapes(sub):
-            rows = np.array([[c.forward_s, c.backward_s, c.param_bytes, c.act_bytes,
-                              c.input_bytes] for c in (layer_cost[(li, si, shape)]
-                                                       for li in range(L))])
-            prefix[(si, shape)] = np.vstack([np.zeros(5), np.cumsum(rows, axis=0)])
+                fast = planner.cost(prog, mesh, None)
+                lean = fast
+                r = fast.result
+                if r.memory_bytes > LEAN_TRIGGER * r.min_memory_bytes:
+                    try:
+                        lean = planner.cost(prog, mesh, None, LEAN_SLACK * r.min_memory_bytes)
+                    except PlanningError:
+                        lean = fast
+                for kind, c in (("fast", fast), ("lean", lean)):
+                    rows.setdefault((si, shape, kind), []).append(
+                        [c.forward_s, c.backward_s, c.param_bytes, c.act_bytes, c.input_bytes,
+                         c.result.memory_bytes])
+    prefix = {k: np.vstack([np.zeros(6), np.cumsum(np.array(v), axis=0)])
+              for k, v in rows.items()}
     index = {sub: i for i, sub in enumerate(shapes)}
 
     def options(start: int, end: int, sub: SubmeshShape):
         si = index[sub]
         out = []
         for shape in _logical_shapes(sub):
-            p = prefix[(si, shape)]
-            f, bw, par, act, inp = p[end + 1] - p[start]
-            out.append(StageOption(f + bw, par, act, label=f"{shape}"))
-            out.append(StageOption(2 * f + bw, par, inp, label=f"{shape} remat"))
+            for kind in ("fast", "lean"):
+                p = prefix[(si, shape, kind)]
+                f, bw, par, act, inp, _ = p[end + 1] - p[start]
+                tag = "" if kind == "fast" else " lean"
+                out.append(StageOption(f + bw, par, act, label=f"{shape}{tag}"))
+                out.append(StageOption(2 * f + bw, par, inp, label=f"{shape}{tag} remat"))
         return out
 
     try:
@@ -366,6 +388,11 @@ def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
     for st, off in zip(plan.stages, offsets):
         label = st.option.label
         shape = tuple(int(x) for x in label.split(")")[0].strip("(").split(","))
+        budget = None
+        if " lean" in label:
+            # The whole stage within what its layers' lean plans need together.
+            p = prefix[(index[st.submesh], shape, "lean")]
+            budget = float(p[st.end + 1][5] - p[st.start][5]) * 1.02
         chosen.append(((st.start, st.end), LogicalMesh(shape, ("x", "y"), device_offset=off),
-                       label.endswith("remat")))
+                       label.endswith("remat"), budget))
     return chosen, stats
