@@ -88,7 +88,8 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
                solver: Solver = Solver.HIGHS, time_limit_s: float = 60.0,
                tensor_names: dict[int, str] | None = None,
                tie_repeated: bool = True,
-               param_memory_factor: float = 1.0) -> StageResult:
+               param_memory_factor: float = 1.0,
+               solve: bool = True) -> "StageResult | BuiltStage":
     """Solves the intra-op sharding problem of `graph` on `mesh`.
 
     Args:
@@ -104,6 +105,7 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
         model's repeated layers) one shared choice; see `repeated_group_classes`.
       param_memory_factor: bytes counted per parameter byte in the memory model (e.g. 4 for
         a parameter, its gradient and Adam's two moments, which live as long as it does).
+      solve: False returns the built problem (`BuiltStage`), to solve under several budgets.
 
     Returns:
       The `StageResult`, whose `stage` is ready for the runtime.
@@ -203,27 +205,63 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
 
     cls = repeated_group_classes(graph, units, groups, edges) if tie_repeated \
         else list(range(len(groups)))
-    problem = _tied_problem(graph, units, groups, edges, cls, memory_budget_bytes)
-    build_s = time.perf_counter() - t0
-    try:
-        tied = solve_sharding_ilp(problem, solver=solver, time_limit_s=time_limit_s)
-        sol = dataclasses.replace(tied, choices=tuple(tied.choices[c] for c in cls))
-    except InfeasibleMemoryError as e:
-        raise PlanningError(
-            f"no sharding on mesh {mesh.shape} fits the memory budget of "
-            f"{e.budget_bytes / 2**30:.2f} GiB per device: the smallest peak memory any plan "
-            f"reaches is {e.min_memory_bytes / 2**30:.2f} GiB. Use more devices, a smaller "
-            "batch, or raise the budget") from None
-    stage = _assemble(graph, units, groups, group_of, sol.choices, mesh, cluster, cache,
-                      tensor_names)
-    return StageResult(stage=stage, objective_s=sol.objective_s,
-                       unsharded_primitives=tuple(sorted(units.unsharded)),
-                       nodes_before_merge=len(units.strategies), nodes_after_merge=len(groups),
-                       ilp_nodes=len(problem.nodes),
-                       ilp_variables=sol.num_variables, ilp_constraints=sol.num_constraints,
-                       build_s=build_s, solve_s=sol.solve_time_s, memory_bytes=sol.memory_bytes,
-                       min_memory_bytes=float(sum(min(n.memory) for n in problem.nodes
-                                                  if n.memory)))
+    problem = _tied_problem(graph, units, groups, edges, cls, None)
+    built = BuiltStage(graph, mesh, cluster, units, groups, group_of, cls, problem, cache,
+                       tensor_names, solver, time_limit_s, time.perf_counter() - t0)
+    return built.solve(memory_budget_bytes) if solve else built
+
+
+@dataclasses.dataclass(eq=False)
+class BuiltStage:
+    """A stage's intra-op problem, built once and solvable under several memory budgets."""
+    graph: OpGraph
+    mesh: LogicalMesh
+    cluster: Cluster
+    units: Units
+    groups: list
+    group_of: list
+    cls: list
+    problem: ShardingProblem
+    cache: dict
+    tensor_names: dict | None
+    solver: Solver
+    time_limit_s: float
+    build_s: float
+
+    @property
+    def min_memory_bytes(self) -> float:
+        """The least per-device memory any plan reaches (memory adds up over choices)."""
+        return float(sum(min(n.memory) for n in self.problem.nodes if n.memory))
+
+    def solve(self, memory_budget_bytes: float | None = None) -> StageResult:
+        """The cheapest plan within `memory_budget_bytes` (None: no limit).
+
+        Raises:
+          PlanningError: no plan fits the budget.
+        """
+        problem = dataclasses.replace(self.problem, memory_budget_bytes=memory_budget_bytes)
+        mesh, cls = self.mesh, self.cls
+        try:
+            tied = solve_sharding_ilp(problem, solver=self.solver,
+                                      time_limit_s=self.time_limit_s)
+            sol = dataclasses.replace(tied, choices=tuple(tied.choices[c] for c in cls))
+        except InfeasibleMemoryError as e:
+            raise PlanningError(
+                f"no sharding on mesh {mesh.shape} fits the memory budget of "
+                f"{e.budget_bytes / 2**30:.2f} GiB per device: the smallest peak memory any "
+                f"plan reaches is {e.min_memory_bytes / 2**30:.2f} GiB. Use more devices, a "
+                "smaller batch, or raise the budget") from None
+        stage = _assemble(self.graph, self.units, self.groups, self.group_of, sol.choices, mesh,
+                          self.cluster, self.cache, self.tensor_names)
+        units = self.units
+        return StageResult(stage=stage, objective_s=sol.objective_s,
+                           unsharded_primitives=tuple(sorted(units.unsharded)),
+                           nodes_before_merge=len(units.strategies),
+                           nodes_after_merge=len(self.groups), ilp_nodes=len(problem.nodes),
+                           ilp_variables=sol.num_variables,
+                           ilp_constraints=sol.num_constraints, build_s=self.build_s,
+                           solve_s=sol.solve_time_s, memory_bytes=sol.memory_bytes,
+                           min_memory_bytes=self.min_memory_bytes)
 
 
 def _tied_problem(graph, units, groups, edges, cls, memory_budget_bytes) -> ShardingProblem:
