@@ -5,6 +5,8 @@ JAX + optax train step; its `main` hands the module to `run_example`, which does
 
     python examples/gpt.py                               # tiny GPT, auto plan, 5 steps on CPU
     python examples/gpt.py --method manual --dp 4 --tp 2
+    python examples/gpt.py --method manual --dp 2 --tp 2 --pp 2 --micro-batches 4
+    python examples/gpt.py --micro-batches 4             # auto, with the pipeline search
     python examples/gpt.py --size 2.6B --plan-only --cluster 8xA100 --batch-size 32
                                                        # plan only, nothing allocated
 
@@ -89,6 +91,15 @@ def build_parser(module: ModuleType) -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor (operator) parallel degree for --method manual "
                              "(default: %(default)s)")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline stages for --method manual (default: %(default)s)")
+    parser.add_argument("--micro-batches", type=int, default=None,
+                        help="micro-batches per step: pipelines the step (manual: default 1; "
+                             "auto: turns on the inter-op search)")
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"),
+                        help="pipeline schedule (default: %(default)s)")
+    parser.add_argument("--remat", action="store_true",
+                        help="recompute activations in the backward (--method manual)")
     parser.add_argument("--plan-only", action="store_true",
                         help="plan with abstract arguments (jax.ShapeDtypeStruct); "
                              "allocate nothing and run nothing")
@@ -111,8 +122,12 @@ def parse_args(module: ModuleType, argv: Sequence[str] | None = None) -> argpars
     if args.cluster is not None and not args.plan_only:
         parser.error("--cluster names a cluster to plan for; it needs --plan-only "
                      "(a run uses the devices JAX sees)")
-    if args.method != "manual" and (args.dp is not None or args.tp != 1):
-        parser.error(f"--dp/--tp set the mesh of --method manual, not --method {args.method}")
+    if args.method != "manual" and (args.dp is not None or args.tp != 1 or args.pp != 1
+                                    or args.remat):
+        parser.error(f"--dp/--tp/--pp/--remat set the layout of --method manual, not "
+                     f"--method {args.method}")
+    if args.method == "dp" and args.micro_batches is not None:
+        parser.error("--micro-batches needs --method auto or manual")
     if args.tp < 1 or (args.dp is not None and args.dp < 1):
         parser.error(f"--dp and --tp must be >= 1, got --dp {args.dp} --tp {args.tp}")
     if args.steps < 0:
@@ -123,11 +138,12 @@ def parse_args(module: ModuleType, argv: Sequence[str] | None = None) -> argpars
 def make_method(args: argparse.Namespace, num_devices: int) -> Any:
     """The `alpa_lite` parallelization method the command line asks for."""
     if args.method == "auto":
-        return al.Auto()
+        return al.Auto(num_micro_batches=args.micro_batches, schedule=args.schedule)
     if args.method == "dp":
         return al.DataParallel()
-    dp = args.dp if args.dp is not None else max(1, num_devices // args.tp)
-    return al.Manual(dp=dp, tp=args.tp)
+    dp = args.dp if args.dp is not None else max(1, num_devices // (args.tp * args.pp))
+    return al.Manual(dp=dp, tp=args.tp, pp=args.pp, num_micro_batches=args.micro_batches or 1,
+                     schedule=args.schedule, remat=args.remat)
 
 
 def run_example(module: ModuleType, argv: Sequence[str] | None = None) -> None:
