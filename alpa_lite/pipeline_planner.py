@@ -35,7 +35,8 @@ from alpa_lite.pipeline_program import (StageProgram, StepParts, forward_layers,
                                         structure_hash)
 from alpa_lite.plan import PipelineSpec, Plan, PlanningStats, StagePlan
 from alpa_lite.planner import _manual_pins, _solver, batch_dims
-from alpa_lite.sharding import LogicalMesh, itemsize
+from alpa_lite.op_rules import DimLabels, enumerate_assignments
+from alpa_lite.sharding import LogicalMesh, TensorSpec, itemsize
 from alpa_lite.solvers.stage_dp import (NoFeasiblePipelineError, StageOption, SubmeshShape,
                                         solve_stage_dp, submesh_shapes)
 
@@ -66,8 +67,7 @@ class _Planner:
         self.programs: dict[tuple[int, int], StageProgram] = {}
         self.by_structure: dict[str, StageProgram] = {}
         self.costs: dict[tuple, StageCost] = {}
-        self._last_built = None
-        self.ilps = 0           # intra-op problems built (each solved once or twice)
+        self.ilps = 0           # intra-op problems solved
         self.build_s = 0.0
         self.solve_s = 0.0
 
@@ -108,29 +108,27 @@ class _Planner:
         return dataclasses.replace(cost, result=dataclasses.replace(cost.result, stage=stage))
 
     def cost(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
-             budget: float | None = None) -> StageCost:
-        """The intra-op plan of a range on a logical mesh (the fastest, or the fastest within
-        `budget` bytes of the ILP's memory model), memoised by structure. Submeshes are
-        placed node-aligned (`_place`), where a block's links do not depend on where it
-        starts, so one plan serves every offset (its device list is moved)."""
-        key = (prog.structure, mesh.shape, mesh.axis_names, manual, budget)
+             lean: bool = False) -> StageCost:
+        """The intra-op plan of a range on a logical mesh, memoised by structure: the
+        fastest, or with `lean` the fastest with every parameter split as finely as the mesh
+        allows (the memory-lean option; its gradient and optimizer state follow it).
+        Submeshes are placed node-aligned (`_place`), where a block's links do not depend
+        on where it starts, so one plan serves every offset (its device list is moved)."""
+        key = (prog.structure, mesh.shape, mesh.axis_names, manual, lean)
         if key in self.costs:
             return self._renamed(_moved(self.costs[key], mesh.device_offset), prog)
         fb = prog.fb.graph
-        build_key = key[:-1]
-        if self._last_built is None or self._last_built[0] != build_key:
-            pin = node_pin = None
-            if manual is not None:
-                pin, node_pin = _manual_pins(fb, manual.dp, manual.tp, False, self.seeds(prog))
-            built = plan_stage(fb, mesh, self.cluster, pin=pin, node_pin=node_pin,
-                               solver=self.solver, time_limit_s=self.time_limit_s,
-                               tensor_names=self.input_names(prog),
-                               param_memory_factor=2.0 + self.opt_ratio, solve=False)
-            # Kept for the next call only: the lean solve of a layer follows its fast one.
-            self._last_built = (build_key, built)
-            self.ilps += 1
-            self.build_s += built.build_s
-        res = self._last_built[1].solve(budget)
+        pin = node_pin = None
+        if manual is not None:
+            pin, node_pin = _manual_pins(fb, manual.dp, manual.tp, False, self.seeds(prog))
+        elif lean:
+            pin = _most_split_params(fb, mesh)
+        res = plan_stage(fb, mesh, self.cluster, pin=pin, node_pin=node_pin,
+                         solver=self.solver, time_limit_s=self.time_limit_s,
+                         tensor_names=self.input_names(prog),
+                         param_memory_factor=2.0 + self.opt_ratio)
+        self.ilps += 1
+        self.build_s += res.build_s
         self.solve_s += res.solve_s
         st = res.stage
         spec = dict(st.tensor_specs)
@@ -155,6 +153,21 @@ class _Planner:
         return cost
 
 
+def _most_split_params(graph, mesh: LogicalMesh):
+    """An input pin allowing each parameter only its finest splits over `mesh`."""
+    axes = [(n, mesh.axis_size(n)) for n in mesh.sharded_axes()]
+    finest: dict[int, int] = {}
+    for t in graph.tensors_with_role(Role.PARAM):
+        labels = tuple(range(len(t.shape)))
+        dl = DimLabels((labels,), (labels,), dict(zip(labels, t.shape)))
+        finest[t.id] = max((TensorSpec(tuple(a.get(l, ()) for l in labels)).num_shards(mesh)
+                            for a in enumerate_assignments(dl, axes)), default=1)
+
+    def pin(t, spec) -> bool:
+        return t.role is not Role.PARAM or spec.num_shards(mesh) == finest[t.id]
+    return pin
+
+
 def _moved(cost: StageCost, offset: int) -> StageCost:
     st = cost.result.stage
     if st.devices[0] == offset:
@@ -163,10 +176,11 @@ def _moved(cost: StageCost, offset: int) -> StageCost:
     return dataclasses.replace(cost, result=dataclasses.replace(cost.result, stage=stage))
 
 
-# A layer gets a memory-lean option when its fastest sharding needs more than LEAN_TRIGGER x
-# the least memory any sharding needs; the lean option is the fastest within LEAN_SLACK x it.
-LEAN_TRIGGER = 1.5
-LEAN_SLACK = 1.25
+def _params_finest(prog: StageProgram, cost: StageCost, mesh: LogicalMesh) -> bool:
+    """Whether a plan already splits every parameter as finely as the mesh allows."""
+    pin = _most_split_params(prog.fb.graph, mesh)
+    spec = dict(zip(prog.fb.graph.inputs, cost.result.stage.input_specs))
+    return all(pin(prog.fb.graph.tensors[t], spec[t]) for t in prog.fb_params)
 
 
 def _opt_state_ratio(parts: StepParts) -> float:
@@ -257,7 +271,7 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         chosen = []
         for s, (a, b) in enumerate(ranges):
             mesh = LogicalMesh((method.dp, method.tp), ("dp", "tp"), device_offset=s * per)
-            chosen.append(((a, b), mesh, method.remat, None))
+            chosen.append(((a, b), mesh, method.remat, False))
         dp_stats = None
     elif isinstance(method, Auto):
         starts = forward_layers(fwd, num_layers=method.num_layers)
@@ -268,9 +282,9 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         raise TypeError(f"pipelined plans need al.Auto or al.Manual, got {method!r}")
     stages = []
     costs = []
-    for (a, b), mesh, remat, budget in chosen:
+    for (a, b), mesh, remat, lean in chosen:
         prog = planner.program(bounds[a][0], bounds[b][1])
-        cost = planner.cost(prog, mesh, method if isinstance(method, Manual) else None, budget)
+        cost = planner.cost(prog, mesh, method if isinstance(method, Manual) else None, lean)
         st = cost.result.stage
         stages.append(dataclasses.replace(
             st, forward_s=cost.forward_s, backward_s=cost.backward_s, layers=(a, b),
@@ -346,11 +360,11 @@ def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
     budget = method.memory_budget_bytes or cluster.device.memory_bytes
     # Per layer, per (submesh, logical shape): the layer's cost. Logical meshes are laid at
     # the start of a node-aligned block; the submesh's place does not change its costs.
-    # Two options per layer and logical mesh: the fastest sharding, and, where it holds
-    # clearly more than the least memory any sharding needs, the fastest within
-    # LEAN_SLACK x that least (weights split rather than replicated): the per-layer solves
-    # have no budget of their own, so without it a model whose fastest layers replicate
-    # their weights would have nothing that fits.
+    # Two options per layer and logical mesh: the fastest sharding, and the fastest with
+    # every parameter split as finely as the mesh allows (the per-layer solves have no
+    # memory budget, so without it a model whose fastest layers replicate their weights
+    # over a data-parallel axis would have nothing that fits). The lean one is solved only
+    # where the fastest does not already split every parameter that finely.
     rows: dict[tuple[int, tuple[int, int], str], list] = {}
     for li, (a, b) in enumerate(bounds):
         prog = planner.program(a, b)
@@ -359,17 +373,15 @@ def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
                 mesh = LogicalMesh(shape, ("x", "y"))
                 fast = planner.cost(prog, mesh, None)
                 lean = fast
-                r = fast.result
-                if r.memory_bytes > LEAN_TRIGGER * r.min_memory_bytes:
+                if not _params_finest(prog, fast, mesh):
                     try:
-                        lean = planner.cost(prog, mesh, None, LEAN_SLACK * r.min_memory_bytes)
+                        lean = planner.cost(prog, mesh, None, lean=True)
                     except PlanningError:
                         lean = fast
                 for kind, c in (("fast", fast), ("lean", lean)):
                     rows.setdefault((si, shape, kind), []).append(
-                        [c.forward_s, c.backward_s, c.param_bytes, c.act_bytes, c.input_bytes,
-                         c.result.memory_bytes])
-    prefix = {k: np.vstack([np.zeros(6), np.cumsum(np.array(v), axis=0)])
+                        [c.forward_s, c.backward_s, c.param_bytes, c.act_bytes, c.input_bytes])
+    prefix = {k: np.vstack([np.zeros(5), np.cumsum(np.array(v), axis=0)])
               for k, v in rows.items()}
     index = {sub: i for i, sub in enumerate(shapes)}
 
@@ -379,7 +391,7 @@ def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
         for shape in _logical_shapes(sub):
             for kind in ("fast", "lean"):
                 p = prefix[(si, shape, kind)]
-                f, bw, par, act, inp, _ = p[end + 1] - p[start]
+                f, bw, par, act, inp = p[end + 1] - p[start]
                 tag = "" if kind == "fast" else " lean"
                 out.append(StageOption(f + bw, par, act, label=f"{shape}{tag}"))
                 out.append(StageOption(2 * f + bw, par, inp, label=f"{shape}{tag} remat"))
@@ -396,11 +408,6 @@ def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
     for st, off in zip(plan.stages, offsets):
         label = st.option.label
         shape = tuple(int(x) for x in label.split(")")[0].strip("(").split(","))
-        budget = None
-        if " lean" in label:
-            # The whole stage within what its layers' lean plans need together.
-            p = prefix[(index[st.submesh], shape, "lean")]
-            budget = float(p[st.end + 1][5] - p[st.start][5]) * 1.02
         chosen.append(((st.start, st.end), LogicalMesh(shape, ("x", "y"), device_offset=off),
-                       label.endswith("remat"), budget))
+                       label.endswith("remat"), " lean" in label))
     return chosen, stats
