@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from alpa_lite.errors import PlanningError
-from alpa_lite.microbatch import check_microbatching
 from alpa_lite.graph import OpGraph, Role
+from alpa_lite.microbatch import check_microbatching
 from alpa_lite.solvers.layer_clustering import (ClusteringError, ClusteringProblem,
                                                 cluster_layers, thin_layer_counts)
 from alpa_lite.tracing import TracedStep, trace, trace_flat
@@ -91,14 +91,12 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
             "value_and_grad(..., has_aux=True) cannot be pipelined: aux outputs of different "
             "micro-batches cannot be combined in general. Return the auxiliary values from a "
             "separate forward, or plan with pp=1 and num_micro_batches=1")
-    operand_roles = []
     for pos, tid in enumerate(node.inputs):
         if tid is not None and g.producer(tid) is not None:
             raise PlanningError(
                 f"operand {pos} of value_and_grad ({g.tensors[tid].name}) is computed inside "
                 "the step; a pipelined plan needs the loss function's array arguments to be "
                 "step arguments (pass them in, or compute them inside the loss function)")
-        operand_roles.append(None if tid is None else g.tensors[tid].role)
     m = num_micro_batches
     avals, roles, names, batch_inputs = [], [], [], []
     diff = set(call.grad_leaves)
@@ -364,19 +362,18 @@ def stage_program(forward: TracedStep, start: int, stop: int,
     """The forward and backward programs of forward nodes [start, stop) (see StageProgram).
 
     `like`: a program of a range with the same `structure_hash`; its traced graph is reused
-    (repeated layers are traced once)."""
+    (repeated layers are traced once) when the same inputs and outputs carry gradients."""
     g = forward.graph
     ins, outs = range_io(g, start, stop)
-    if like is not None:
-        params = tuple(t for t in ins if g.tensors[t].role is Role.PARAM)
-        acts = tuple(t for t in ins if g.tensors[t].role is not Role.PARAM)
-        return dataclasses.replace(like, start=start, stop=stop, params=params, acts=acts,
-                                   outputs=tuple(outs))
     dep = _param_dependent(g)
     params = [t for t in ins if g.tensors[t].role is Role.PARAM]
     acts = [t for t in ins if g.tensors[t].role is not Role.PARAM]
     diff_acts = [t in dep and _is_float(g.tensors[t].dtype) for t in acts]
     diff_outs = [t in dep and _is_float(g.tensors[t].dtype) for t in outs]
+    if like is not None and like.diff_acts == tuple(diff_acts) \
+            and like.diff_outputs == tuple(diff_outs):
+        return dataclasses.replace(like, start=start, stop=stop, params=tuple(params),
+                                   acts=tuple(acts), outputs=tuple(outs))
     node_ids = list(range(start, stop))
     P, A = len(params), len(acts)
 
@@ -412,7 +409,8 @@ def stage_program(forward: TracedStep, start: int, stop: int,
                         acts=tuple(acts), diff_acts=tuple(diff_acts), outputs=tuple(outs),
                         diff_outputs=tuple(diff_outs), fwd_nodes=fwd, bwd_nodes=bwd,
                         remat_nodes=remat, residuals=residuals,
-                        structure=structure_hash(forward, start, stop))
+                        structure=structure_hash(forward, start, stop) + "/" +
+                        "".join("1" if d else "0" for d in diff_acts + diff_outs))
 
 
 def _ancestors(g: OpGraph, targets, stop: set[int]) -> list[int]:
