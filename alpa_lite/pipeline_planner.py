@@ -20,6 +20,7 @@ activation transfers between stages.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Mapping
 
 import numpy as np
@@ -298,6 +299,16 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         act = cost.input_bytes if stages[s].remat else cost.act_bytes
         stages[s] = dataclasses.replace(stages[s],
                                         peak_memory_bytes=cost.param_bytes + act * in_flight)
+    if isinstance(method, Auto):
+        budget = method.memory_budget_bytes or cluster.device.memory_bytes
+        over = [s for s, st in enumerate(stages) if st.peak_memory_bytes > budget]
+        if over:
+            warnings.warn(
+                f"stage(s) {over} of the chosen pipeline need up to "
+                f"{max(stages[s].peak_memory_bytes for s in over) / 2**30:.2f} GiB per device, "
+                f"above the {budget / 2**30:.2f} GiB budget: the stage DP's per-layer estimate "
+                "and the whole stage's plan differ. Lower memory_budget_bytes a little, or "
+                "use more micro-batches", stacklevel=3)
     sends = [_send_time(cluster, costs[s].output_bytes, stages[s], stages[s + 1])
              for s in range(S - 1)]
     # Stage s sends its outputs to s + 1, and the gradient of its inputs (the same bytes)
@@ -384,6 +395,7 @@ def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
     prefix = {k: np.vstack([np.zeros(5), np.cumsum(np.array(v), axis=0)])
               for k, v in rows.items()}
     index = {sub: i for i, sub in enumerate(shapes)}
+    gpipe = method.schedule == "gpipe"
 
     def options(start: int, end: int, sub: SubmeshShape):
         si = index[sub]
@@ -393,8 +405,12 @@ def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
                 p = prefix[(si, shape, kind)]
                 f, bw, par, act, inp = p[end + 1] - p[start]
                 tag = "" if kind == "fast" else " lean"
+                if gpipe:   # every stage holds all m micro-batches, not the DP's 1F1B count
+                    par, act, inp, kept = par + act * m, 0.0, 0.0, par + inp * m
+                else:
+                    kept = par
                 out.append(StageOption(f + bw, par, act, label=f"{shape}{tag}"))
-                out.append(StageOption(2 * f + bw, par, inp, label=f"{shape}{tag} remat"))
+                out.append(StageOption(2 * f + bw, kept, inp, label=f"{shape}{tag} remat"))
         return out
 
     try:
