@@ -95,7 +95,7 @@ def run_case(name, size, gpus, batch, micro_batches, device="V100", grid=True):
     for m in micro_batches:
         try:
             plan, wall = plan_once(mod, cfg, batch, al.Auto(num_micro_batches=m), cluster)
-        except al.PlanningError as e:
+        except (al.PlanningError, ValueError) as e:   # e.g. a micro-batch the model refuses
             print(f"  auto m={m}: {e}"[:200])
             continue
         if best_auto is None or plan.step_time_s < best_auto[0].step_time_s:
