@@ -279,6 +279,7 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         L = len(starts)
         bounds = _layer_node_ranges(starts, n_nodes)
         chosen, dp_stats = _search(planner, method, cluster, bounds, m)
+        chosen = _polish(planner, method, cluster, bounds, chosen, m)
     else:
         raise TypeError(f"pipelined plans need al.Auto or al.Manual, got {method!r}")
     stages = []
@@ -318,10 +319,15 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
                            send_gradient_s=sends[s - 1] if s > 0 else 0.0, remat=st.remat)
                for s, st in enumerate(stages)]
     sim = simulate(timings, m, schedule_from_name(method.schedule))
+    # After the last backward every stage applies its update at once: an element-wise pass
+    # over parameters, gradients and optimizer state, read and written, at memory bandwidth.
+    apply_s = max(2 * c.param_bytes / cluster.device.memory_bandwidth_bytes_per_s
+                  for c in costs)
     spec = PipelineSpec(num_micro_batches=m, schedule=method.schedule, layer_starts=tuple(starts),
                         loss_scale=parts.loss_scale, forward_fingerprint=fwd.fingerprint,
-                        step_time_s=sim.step_time_s, bubble_fraction=sim.bubble_fraction,
-                        send_s=tuple(sends))
+                        step_time_s=sim.step_time_s + apply_s,
+                        bubble_fraction=sim.bubble_fraction, send_s=tuple(sends),
+                        apply_s=apply_s)
     unsharded = tuple(sorted({p for c in costs for p in c.result.unsharded_primitives}))
     stats = PlanningStats(
         build_s=planner.build_s, solve_s=planner.solve_s,
@@ -361,6 +367,36 @@ def _even_split(L: int, pp: int) -> tuple[tuple[int, int], ...]:
         out.append((a, a + size - 1))
         a += size
     return tuple(out)
+
+
+def _polish(planner: _Planner, method: Auto, cluster: Cluster, bounds, chosen, m: int):
+    """The DP costs a stage as the sum of its layers; each chosen stage is now planned whole
+    on every logical mesh of its submesh (fastest and memory-lean, with its remat choice)
+    and keeps the fastest that fits, so the final mesh choice is exact per stage."""
+    budget = method.memory_budget_bytes or cluster.device.memory_bytes
+    S = len(chosen)
+    out = []
+    for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
+        prog = planner.program(bounds[a][0], bounds[b][1])
+        in_flight = min(S - s, m) if method.schedule == "1f1b" else m
+        sub = SubmeshShape(max(1, mesh.num_devices // cluster.devices_per_node),
+                           min(mesh.num_devices, cluster.devices_per_node))
+        best = None
+        for shape in _logical_shapes(sub):
+            for lean_ in (False, True):
+                cand = LogicalMesh(shape, ("x", "y"), device_offset=mesh.device_offset)
+                try:
+                    c = planner.cost(prog, cand, None, lean_)
+                except PlanningError:
+                    continue
+                act = c.input_bytes if remat else c.act_bytes
+                memory = c.param_bytes + act * in_flight
+                t = c.forward_s * (2 if remat else 1) + c.backward_s
+                key = (memory > budget, t)
+                if best is None or key < best[0]:
+                    best = (key, ((a, b), cand, remat, lean_))
+        out.append(best[1] if best is not None else ((a, b), mesh, remat, lean))
+    return out
 
 
 def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):

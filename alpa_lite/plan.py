@@ -78,9 +78,10 @@ class PipelineSpec:
     layer_starts: tuple[int, ...]
     loss_scale: float
     forward_fingerprint: str            # of the loss function's traced forward graph
-    step_time_s: float                  # simulated: pipeline + send/receive + bubble
+    step_time_s: float                  # simulated pipeline (sends, bubble) + apply_s
     bubble_fraction: float
     send_s: tuple[float, ...] = ()      # per stage boundary, one activation transfer
+    apply_s: float = 0.0                # the optimizer update after the last backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +246,8 @@ def _pipeline_to_obj(p: PipelineSpec | None):
     return {"num_micro_batches": p.num_micro_batches, "schedule": p.schedule,
             "layer_starts": list(p.layer_starts), "loss_scale": float(p.loss_scale),
             "forward_fingerprint": p.forward_fingerprint, "step_time_s": float(p.step_time_s),
-            "bubble_fraction": float(p.bubble_fraction), "send_s": [float(x) for x in p.send_s]}
+            "bubble_fraction": float(p.bubble_fraction), "send_s": [float(x) for x in p.send_s],
+            "apply_s": float(p.apply_s)}
 
 
 def _pipeline_from_obj(o) -> PipelineSpec | None:
@@ -255,7 +257,8 @@ def _pipeline_from_obj(o) -> PipelineSpec | None:
         num_micro_batches=int(o["num_micro_batches"]), schedule=str(o["schedule"]),
         layer_starts=tuple(int(x) for x in o["layer_starts"]), loss_scale=float(o["loss_scale"]),
         forward_fingerprint=str(o["forward_fingerprint"]), step_time_s=float(o["step_time_s"]),
-        bubble_fraction=float(o["bubble_fraction"]), send_s=tuple(float(x) for x in o["send_s"]))
+        bubble_fraction=float(o["bubble_fraction"]), send_s=tuple(float(x) for x in o["send_s"]),
+        apply_s=float(o["apply_s"]))
 
 
 def _plan_to_obj(p: Plan) -> dict[str, Any]:

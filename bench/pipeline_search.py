@@ -5,8 +5,9 @@ For each case (model, GPUs) the cluster is the first GPUs of the `8x8xV100` pres
 up to 8 GPUs, then whole nodes); models run in float16 as in Alpa's V100 benchmarks. Every
 plan is made from `jax.ShapeDtypeStruct`s: nothing is allocated, nothing runs.
 
-- auto: `Auto(num_micro_batches=m)` for each m in the micro-batch set; the fastest
-  estimated step is reported, with the wall time of that one planning call and its phases.
+- auto: `Auto(num_micro_batches=m)` for each m in the micro-batch set, and `Auto()` (one
+  SPMD stage without micro-batches, planned like Manual(pp=1, m=1)); the fastest estimated
+  step is reported, with the wall time of that one planning call and its phases.
 - megatron: every `Manual(dp, tp, pp, num_micro_batches=m)` with dp x tp x pp = GPUs, tp
   within a node, layers split evenly, over the same micro-batch set, with and without
   recomputation, the best step kept.
@@ -92,7 +93,9 @@ def run_case(name, size, gpus, batch, micro_batches, device="V100", grid=True):
         cfg = dataclasses.replace(cfg, dtype="float16")
     cluster = cluster_of(gpus, device)
     best_auto = None
-    for m in micro_batches:
+    # Auto() (one SPMD stage, no micro-batches: the foundation's planner) is the auto
+    # counterpart of Manual(pp=1, m=1), which the grid plans the same way.
+    for m in ([None] if grid else []) + list(micro_batches):
         try:
             plan, wall = plan_once(mod, cfg, batch, al.Auto(num_micro_batches=m), cluster)
         except (al.PlanningError, ValueError) as e:   # e.g. a micro-batch the model refuses
