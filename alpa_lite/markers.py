@@ -237,7 +237,9 @@ def _captured_value_and_grad(fun, nums, has_aux, kwargs, args):
         offsets.append(offsets[-1] + len(jax.tree_util.tree_leaves(a)))
     diff = [j for i in nums for j in range(offsets[i], offsets[i + 1])]
     if any(j not in arrays for j in diff):
-        raise TypeError("value_and_grad: a differentiated argument has a non-array leaf")
+        raise TypeError(f"value_and_grad(argnums={nums}): a differentiated argument has a leaf "
+                        "that is not an array; every parameter leaf must be a jax or numpy "
+                        "array (pass static values through another argument)")
     slot = {j: k for k, j in enumerate(arrays)}
 
     def loss(*array_leaves):
