@@ -92,10 +92,10 @@ class Executable:
     """A plan made runnable: call with the step's positional arguments."""
 
     def __init__(self, traced: TracedStep, plan: Plan, devices: Sequence[Any]):
-        if len(plan.stages) != 1:
-            raise NotImplementedError(
-                f"this plan has {len(plan.stages)} pipeline stages; the pipeline runtime is "
-                "not part of this version of alpa_lite, so only single-stage plans run")
+        if len(plan.stages) != 1 or plan.pipeline is not None:
+            raise ValueError(
+                f"this is a pipelined plan ({len(plan.stages)} stage(s), {plan.schedule}); "
+                "it runs with alpa_lite.pipeline_runtime.PipelineExecutable")
         self.traced = traced
         self.plan = plan
         self.stage = StageExecutable(traced, plan.stages[0], devices)
