@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 # What a marker says about the values it wraps.
 PARAM = "param"
@@ -126,7 +126,6 @@ batching.primitive_batchers[boundary_p] = lambda args, dims: (boundary_p.bind(*a
 
 
 def _boundary_jvp(primals, tangents):
-    from jax.interpreters import ad
     outs = boundary_p.bind(*primals)
     nonzero = [t for t in tangents if not isinstance(t, ad.Zero)]
     marked = iter(boundary_p.bind(*nonzero) if nonzero else [])
@@ -134,19 +133,13 @@ def _boundary_jvp(primals, tangents):
 
 
 def _boundary_transpose(cts, *args):
-    from jax.interpreters import ad
     nonzero = [c for c in cts if not isinstance(c, ad.Zero)]
     marked = iter(boundary_p.bind(*nonzero) if nonzero else [])
     return [c if isinstance(c, ad.Zero) else next(marked) for c in cts]
 
 
-def _register_boundary_ad():
-    from jax.interpreters import ad
-    ad.primitive_jvps[boundary_p] = _boundary_jvp
-    ad.primitive_transposes[boundary_p] = _boundary_transpose
-
-
-_register_boundary_ad()
+ad.primitive_jvps[boundary_p] = _boundary_jvp
+ad.primitive_transposes[boundary_p] = _boundary_transpose
 
 
 def mark_layer_boundary(tree: Any) -> Any:

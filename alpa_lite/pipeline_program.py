@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import weakref
 from typing import Any, Sequence
 
 import jax
@@ -269,12 +270,20 @@ class StageProgram:
         return self.fb.graph.outputs[len(self.outputs) + len(self.params):]
 
 
-def _param_dependent(forward: OpGraph) -> set[int]:
-    dep = {t.id for t in forward.tensors if t.role is Role.PARAM}
-    for node in forward.nodes:
-        if any(t in dep for t in node.inputs if t is not None):
-            dep.update(node.outputs)
-    return dep
+_PARAM_DEPENDENT: "weakref.WeakKeyDictionary[OpGraph, frozenset[int]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _param_dependent(forward: OpGraph) -> frozenset[int]:
+    """Tensors computed from a parameter (they need a gradient); once per forward graph,
+    however many ranges of it become stages."""
+    if forward not in _PARAM_DEPENDENT:
+        dep = {t.id for t in forward.tensors if t.role is Role.PARAM}
+        for node in forward.nodes:
+            if any(t in dep for t in node.inputs if t is not None):
+                dep.update(node.outputs)
+        _PARAM_DEPENDENT[forward] = frozenset(dep)
+    return _PARAM_DEPENDENT[forward]
 
 
 def _is_float(dtype: str) -> bool:

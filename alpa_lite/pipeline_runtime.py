@@ -29,7 +29,7 @@ from alpa_lite.errors import PlanMismatchError
 from alpa_lite.graph import Role
 from alpa_lite.pipeline_program import StageProgram, StepParts, replay, stage_program
 from alpa_lite.plan import Plan, StagePlan
-from alpa_lite.runtime import partition_spec
+from alpa_lite.runtime import named_sharding, stage_mesh
 from alpa_lite.sharding import TensorSpec
 
 
@@ -39,9 +39,7 @@ class _Stage:
     def __init__(self, prog: StageProgram, stage: StagePlan, devices: Sequence[Any]):
         self.prog = prog
         self.plan = stage
-        picked = [devices[i] for i in stage.devices]
-        self.mesh = Mesh(np.array(picked, dtype=object).reshape(stage.mesh_shape),
-                         stage.axis_names)
+        self.mesh = stage_mesh(stage, devices)
         fb = prog.fb.graph
         spec: dict[int, TensorSpec] = dict(stage.tensor_specs)
         spec.update(zip(fb.inputs, stage.input_specs))
@@ -89,7 +87,7 @@ class _Stage:
                                   donate_argnums=0)
 
     def sharding(self, spec: TensorSpec) -> NamedSharding:
-        return NamedSharding(self.mesh, partition_spec(spec))
+        return named_sharding(self.mesh, spec)
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
@@ -117,8 +115,11 @@ class PipelineExecutable:
             a, b = st.layers
             prog = stage_program(parts.forward, starts[a], starts[b + 1])
             self.stages.append(_Stage(prog, st, devices))
-        self.order = schedule_from_name(spec.schedule)
         self._layout()
+        # Fixed per plan: the order tasks are issued in, and where each gradient is summed.
+        self.tasks = self._tasks(schedule_from_name(spec.schedule), len(self.stages),
+                                 spec.num_micro_batches)
+        self.grad_sharding = {t: self._param_sharding(t) for t in self.param_home}
 
     # ---- where everything lives ---------------------------------------------------------
 
@@ -312,7 +313,7 @@ class PipelineExecutable:
         cts: dict[tuple[int, int], list] = {}         # (forward tensor, micro-batch) -> parts
         grads: list[Any] = [None] * S
         losses = []
-        for kind, s, i in self._tasks(S, m):
+        for kind, s, i in self.tasks:
             st = self.stages[s]
             prog = st.prog
             if kind == "F":
@@ -360,7 +361,7 @@ class PipelineExecutable:
         grad_of: dict[int, Any] = {}
         for s, st in enumerate(self.stages):
             for t, g in zip(st.prog.params, grads[s]):
-                g = jax.device_put(g, self._param_sharding(t))
+                g = jax.device_put(g, self.grad_sharding[t])
                 grad_of[t] = g if t not in grad_of else grad_of[t] + g
         loss = losses[0]
         for x in losses[1:]:
@@ -395,11 +396,11 @@ class PipelineExecutable:
         s, spec = self._param_spec(t_fwd)
         return self.stages[s].sharding(spec)
 
-    def _tasks(self, S: int, m: int):
+    def _tasks(self, schedule, S: int, m: int) -> list[tuple[str, int, int]]:
         """Every (kind, stage, micro-batch) in an order that respects the schedule on each
         stage and the data dependencies between stages."""
         orders = [[("F" if k.value == "forward" else "B", i)
-                   for k, i in stage_order(self.order, s, S, m)] for s in range(S)]
+                   for k, i in stage_order(schedule, s, S, m)] for s in range(S)]
         done: set[tuple[str, int, int]] = set()
         pos = [0] * S
         producers = [{self.maker[t] for t in st.prog.acts if t in self.maker}

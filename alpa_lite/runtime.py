@@ -26,16 +26,24 @@ def partition_spec(spec: TensorSpec) -> PartitionSpec:
                            for d in spec.dims])
 
 
+def stage_mesh(stage: StagePlan, devices: Sequence[Any]) -> Mesh:
+    """The `Mesh` of a stage: its cluster device indices, laid row-major over its shape."""
+    picked = [devices[i] for i in stage.devices]
+    return Mesh(np.array(picked, dtype=object).reshape(stage.mesh_shape), stage.axis_names)
+
+
+def named_sharding(mesh: Mesh, spec: TensorSpec) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(spec))
+
+
 class StageExecutable:
     """One compiled SPMD stage: call it with the flattened argument leaves."""
 
     def __init__(self, traced: TracedStep, stage: StagePlan, devices: Sequence[Any]):
         self.traced = traced
         self.stage = stage
-        picked = [devices[i] for i in stage.devices]
-        self.mesh = Mesh(np.array(picked, dtype=object).reshape(stage.mesh_shape),
-                         stage.axis_names)
-        ns = lambda spec: NamedSharding(self.mesh, partition_spec(spec))
+        self.mesh = stage_mesh(stage, devices)
+        ns = lambda spec: named_sharding(self.mesh, spec)
         self.in_shardings = tuple(ns(s) for s in stage.input_specs)
         self.out_shardings = tuple(ns(s) for s in stage.output_specs)
         self._tensor = {t: ns(s) for t, s in stage.tensor_specs if s.rank}

@@ -291,26 +291,8 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
     out_tree = jax.tree_util.tree_structure(out_shape)
 
-    b = _Builder()
-    env: dict = {}
-    input_ids = []
-    for var, name, is_batch in zip(closed.jaxpr.invars, input_names, batch_leaf):
-        tid = b.new_tensor(var.aval, name, Role.BATCH if is_batch else Role.OPT_STATE)
-        env[var] = tid
-        input_ids.append(tid)
-    for var, value in zip(closed.jaxpr.constvars, closed.consts):
-        env[var] = b.add_const(var.aval, value)
-    b.walk(closed.jaxpr, env)
-
-    output_ids = []
-    for pos, v in enumerate(closed.jaxpr.outvars):
-        atom = v if isinstance(v, jex.Literal) else env[v]
-        if isinstance(atom, jex.Literal) or atom in input_ids:
-            # A result that is a literal or an untouched input still needs its own tensor:
-            # materialise it with a copy so every output has a producer.
-            atom = _materialise(b, atom, v.aval)
-        output_ids.append(atom)
-
+    roles = [Role.BATCH if is_batch else Role.OPT_STATE for is_batch in batch_leaf]
+    b, input_ids, output_ids = _build(closed, roles, input_names, distinct_outputs=False)
     _eliminate_dead_code(b, input_ids, output_ids, b.boundaries)
     tensors = list(b.tensors)
     for tid, role in b.roles.items():
@@ -342,22 +324,7 @@ def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
     whose inputs carry the given roles; used for the pieces of a pipelined step."""
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
     closed = jax.make_jaxpr(fn)(*structs)
-    b = _Builder()
-    env: dict = {}
-    input_ids = []
-    for var, role, name in zip(closed.jaxpr.invars, roles, names):
-        tid = b.new_tensor(var.aval, name, role)
-        env[var] = tid
-        input_ids.append(tid)
-    for var, value in zip(closed.jaxpr.constvars, closed.consts):
-        env[var] = b.add_const(var.aval, value)
-    b.walk(closed.jaxpr, env)
-    output_ids = []
-    for v in closed.jaxpr.outvars:
-        atom = v if isinstance(v, jex.Literal) else env[v]
-        if isinstance(atom, jex.Literal) or atom in input_ids or atom in output_ids:
-            atom = _materialise(b, atom, v.aval)
-        output_ids.append(atom)
+    b, input_ids, output_ids = _build(closed, roles, names, distinct_outputs=True)
     boundaries = list(b.boundaries)
     _eliminate_dead_code(b, input_ids, output_ids, boundaries)
     tensors = list(b.tensors)
@@ -372,6 +339,34 @@ def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
                       out_tree=jax.tree_util.tree_structure(tuple(output_ids)),
                       input_avals=tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in structs),
                       fingerprint=_fingerprint(graph), boundaries=tuple(boundaries))
+
+
+def _build(closed, roles: Sequence[Role], names: Sequence[str], distinct_outputs: bool):
+    """Walks a closed jaxpr into a `_Builder`: its inputs get `roles` and `names`, its
+    constants become CONST tensors. Returns the builder, the input ids and the output ids.
+
+    A result that is a literal or an untouched input (or, with `distinct_outputs`, repeats an
+    earlier result) still needs its own tensor: it is materialised with a copy, so every
+    output has a producer of its own.
+    """
+    b = _Builder()
+    env: dict = {}
+    input_ids = []
+    for var, role, name in zip(closed.jaxpr.invars, roles, names):
+        tid = b.new_tensor(var.aval, name, role)
+        env[var] = tid
+        input_ids.append(tid)
+    for var, value in zip(closed.jaxpr.constvars, closed.consts):
+        env[var] = b.add_const(var.aval, value)
+    b.walk(closed.jaxpr, env)
+    output_ids: list[int] = []
+    for v in closed.jaxpr.outvars:
+        atom = v if isinstance(v, jex.Literal) else env[v]
+        if isinstance(atom, jex.Literal) or atom in input_ids or \
+                (distinct_outputs and atom in output_ids):
+            atom = _materialise(b, atom, v.aval)
+        output_ids.append(atom)
+    return b, input_ids, output_ids
 
 
 def _eliminate_dead_code(b: _Builder, input_ids: list[int], output_ids: list[int],

@@ -12,16 +12,13 @@ turns float32 rounding differences in near-zero gradients into O(lr) parameter d
 whatever the parallelization.
 """
 
-import functools
-import importlib
-
 import jax
 import numpy as np
-import optax
 import pytest
 
 import alpa_lite as al
 from alpa_lite.hlo import bytes_by_kind, collectives_in_hlo
+from _reference import STEPS, reference_run  # tests/_reference.py
 
 EXAMPLES = ["mlp", "gpt", "moe", "wide_resnet", "flax_mlp"]
 METHODS = {
@@ -32,28 +29,10 @@ METHODS = {
     "dp4_tp2": al.Manual(dp=4, tp=2),
     "dp1_tp8": al.Manual(dp=1, tp=8),
 }
-STEPS = 5
 # Wide-ResNet's batch normalisation over 16 images turns float32 reduction-order
 # differences of ~1e-7 into ~2e-5 after five steps (in float64 the same plans agree to
 # 1e-14: test_wide_resnet_float64 below), so it gets a looser float32 tolerance.
 RTOL = {"wide_resnet": 1e-4}
-
-
-@functools.lru_cache(maxsize=None)
-def _setup(example: str):
-    mod = importlib.import_module(example)
-    cfg = mod.CONFIGS["tiny"]
-    tx = optax.sgd(1e-2, momentum=0.9)
-    params = mod.init_params(cfg, jax.random.PRNGKey(0))
-    batch = mod.make_batch(cfg, cfg.batch_size, jax.random.PRNGKey(1))
-    opt_state = tx.init(params)
-    step = mod.make_train_step(cfg, tx)
-    ref = jax.jit(step)
-    losses, p, s = [], params, opt_state
-    for _ in range(STEPS):
-        p, s, loss = ref(p, s, batch)
-        losses.append(float(loss))
-    return step, (params, opt_state, batch), losses, p
 
 
 def _run(step_fn, args, method):
@@ -69,7 +48,7 @@ def _run(step_fn, args, method):
 @pytest.mark.parametrize("method_name", list(METHODS))
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_plan_matches_jit_and_hlo(example, method_name):
-    step_fn, args, ref_losses, ref_params = _setup(example)
+    step_fn, args, ref_losses, ref_params = reference_run(example)
     step, losses, params = _run(step_fn, args, METHODS[method_name])
     rtol = RTOL.get(example, 1e-5)
     np.testing.assert_allclose(losses, ref_losses, rtol=rtol)

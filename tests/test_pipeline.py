@@ -6,9 +6,6 @@ other than the stage count, and must reproduce the undecorated step's losses and
 parameters. Then: bad input gets clear errors, and plans say what they are.
 """
 
-import functools
-import importlib
-
 import jax
 import numpy as np
 import optax
@@ -16,8 +13,8 @@ import pytest
 
 import alpa_lite as al
 from alpa_lite.errors import PlanningError
+from _reference import STEPS, reference_run  # tests/_reference.py
 
-STEPS = 5
 # Wide-ResNet's batch norm turns float32 reduction-order differences of ~1e-7 into ~2e-5
 # over five steps (see test_execution.py), hence its looser tolerance.
 RTOL = {"wide_resnet": 1e-4}
@@ -33,26 +30,9 @@ CASES = [(ex, name) for ex in ("gpt", "moe", "wide_resnet") for name in LAYOUTS
          if not (ex == "wide_resnet" and name == "pp2_dp4_m2_gpipe_remat")]
 
 
-@functools.lru_cache(maxsize=None)
-def _setup(example: str):
-    mod = importlib.import_module(example)
-    cfg = mod.CONFIGS["tiny"]
-    tx = optax.sgd(1e-2, momentum=0.9)
-    params = mod.init_params(cfg, jax.random.PRNGKey(0))
-    batch = mod.make_batch(cfg, cfg.batch_size, jax.random.PRNGKey(1))
-    opt_state = tx.init(params)
-    step = mod.make_train_step(cfg, tx)
-    ref = jax.jit(step)
-    losses, p, s = [], params, opt_state
-    for _ in range(STEPS):
-        p, s, loss = ref(p, s, batch)
-        losses.append(float(loss))
-    return step, (params, opt_state, batch), losses, p
-
-
 @pytest.mark.parametrize("example,layout", CASES)
 def test_hybrid_plan_matches_jit(example, layout):
-    step_fn, (params, opt_state, batch), ref_losses, ref_params = _setup(example)
+    step_fn, (params, opt_state, batch), ref_losses, ref_params = reference_run(example)
     method = LAYOUTS[layout]
     step = al.parallelize(step_fn, method=method)
     plan = step.plan(params, opt_state, batch)
@@ -79,7 +59,7 @@ def test_hybrid_plan_matches_jit(example, layout):
 
 
 def test_auto_pipeline_runs_and_matches_jit():
-    step_fn, (params, opt_state, batch), ref_losses, ref_params = _setup("gpt")
+    step_fn, (params, opt_state, batch), ref_losses, ref_params = reference_run("gpt")
     step = al.parallelize(step_fn, method=al.Auto(num_micro_batches=2))
     losses, p, s = [], params, opt_state
     for _ in range(STEPS):
@@ -126,7 +106,7 @@ def test_mark_layer_boundary_sets_layers():
 
 
 def test_manual_layer_ranges():
-    step_fn, (params, opt_state, batch), ref_losses, _ = _setup("gpt")
+    step_fn, (params, opt_state, batch), ref_losses, _ = reference_run("gpt")
     step = al.parallelize(step_fn, method=al.Manual(dp=4, pp=2, num_micro_batches=2))
     L = len(step.plan(params, opt_state, batch).pipeline.layer_starts)
     ranges = ((0, 0), (1, L - 1))
@@ -139,7 +119,7 @@ def test_manual_layer_ranges():
 
 
 def test_bad_pipeline_input():
-    step_fn, (params, opt_state, batch), _, _ = _setup("gpt")
+    step_fn, (params, opt_state, batch), _, _ = reference_run("gpt")
     with pytest.raises(PlanningError, match="not divisible by num_micro_batches=3"):
         al.parallelize(step_fn, method=al.Manual(dp=4, pp=2, num_micro_batches=3)).plan(
             params, opt_state, batch)
@@ -174,7 +154,7 @@ def test_more_stages_than_layers_is_refused():
 
 
 def test_pipelined_plan_json_round_trip_runs():
-    step_fn, (params, opt_state, batch), ref_losses, _ = _setup("moe")
+    step_fn, (params, opt_state, batch), ref_losses, _ = reference_run("moe")
     step = al.parallelize(step_fn, method=al.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
     plan = step.plan(params, opt_state, batch)
     again = al.Plan.from_json(plan.to_json())

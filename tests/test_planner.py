@@ -6,8 +6,6 @@ enough that splitting them pays: the setting in which Alpa's ILP must find data 
 for a wide batch and Megatron-style model parallelism for a wide layer.
 """
 
-import json
-import warnings
 
 import jax
 import jax.numpy as jnp
