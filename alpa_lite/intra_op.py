@@ -33,6 +33,30 @@ from alpa_lite.solvers.sharding_ilp import (ILPEdge, ILPNode, InfeasibleMemoryEr
                                             ShardingProblem, Solver, solve_sharding_ilp)
 from alpa_lite.strategies import HEAVY, InputPin, NodePin, Strategy, Units, reshard_cost, unit_name
 
+@dataclasses.dataclass
+class MeshMemo:
+    """What `plan_stage` calls on one logical mesh shape and cluster can share: the
+    strategies of structurally equal operators and the cost of each resharding. The
+    pipeline planner plans every layer on every mesh; its layers repeat operators and
+    tensors, so most of a layer's build is found here after the first."""
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    cluster_fingerprint: str
+    strategies: dict = dataclasses.field(default_factory=dict)
+    reshard: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def for_mesh(cls, mesh: LogicalMesh, cluster: Cluster) -> "MeshMemo":
+        return cls(tuple(mesh.shape), tuple(mesh.axis_names), cluster.fingerprint())
+
+    def check(self, mesh: LogicalMesh, cluster: Cluster) -> None:
+        if (tuple(mesh.shape), tuple(mesh.axis_names), cluster.fingerprint()) != \
+                (self.mesh_shape, self.axis_names, self.cluster_fingerprint):
+            raise ValueError(f"a MeshMemo for mesh {self.mesh_shape} {self.axis_names} was "
+                             f"used on mesh {mesh.shape} {mesh.axis_names} or another "
+                             "cluster: make one per mesh shape and cluster")
+
+
 @dataclasses.dataclass(frozen=True)
 class StageResult:
     stage: StagePlan
@@ -89,7 +113,8 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
                tensor_names: dict[int, str] | None = None,
                tie_repeated: bool = True,
                param_memory_factor: float = 1.0,
-               solve: bool = True) -> "StageResult | BuiltStage":
+               solve: bool = True,
+               memo: "MeshMemo | None" = None) -> "StageResult | BuiltStage":
     """Solves the intra-op sharding problem of `graph` on `mesh`.
 
     Args:
@@ -106,6 +131,7 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
       param_memory_factor: bytes counted per parameter byte in the memory model (e.g. 4 for
         a parameter, its gradient and Adam's two moments, which live as long as it does).
       solve: False returns the built problem (`BuiltStage`), to solve under several budgets.
+      memo: work shared with other graphs planned on the same mesh shape and cluster.
 
     Returns:
       The `StageResult`, whose `stage` is ready for the runtime.
@@ -116,8 +142,11 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
     """
     t0 = time.perf_counter()
     comm = CommModel(cluster, mesh)
-    units = Units(graph, mesh, cluster, comm, pin, node_pin)
-    cache: dict = {}
+    if memo is not None:
+        memo.check(mesh, cluster)
+    units = Units(graph, mesh, cluster, comm, pin, node_pin,
+                  memo.strategies if memo is not None else None)
+    cache: dict = memo.reshard if memo is not None else {}
     follow = follow_targets(graph, units)
     groups, group_of = build_groups(graph, units, follow, cache)
     off = units.offset

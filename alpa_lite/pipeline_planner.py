@@ -19,7 +19,10 @@ activation transfers between stages.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
+import threading
 import warnings
 from typing import Mapping
 
@@ -30,7 +33,7 @@ from alpa_lite.cost_models.collectives import send_recv_time
 from alpa_lite.cost_models.pipeline_schedule import StageTiming, schedule_from_name, simulate
 from alpa_lite.errors import PlanningError
 from alpa_lite.graph import Role
-from alpa_lite.intra_op import StageResult, plan_stage
+from alpa_lite.intra_op import MeshMemo, StageResult, plan_stage
 from alpa_lite.methods import Auto, Manual
 from alpa_lite.pipeline_program import (StageProgram, StepParts, forward_layers, stage_program,
                                         structure_hash)
@@ -71,6 +74,8 @@ class _Planner:
         self.ilps = 0           # intra-op problems solved
         self.build_s = 0.0
         self.solve_s = 0.0
+        self._lock = threading.Lock()
+        self.memos: dict[tuple, MeshMemo] = {}
 
     def program(self, start: int, stop: int) -> StageProgram:
         if (start, stop) not in self.programs:
@@ -116,21 +121,58 @@ class _Planner:
         Submeshes are placed node-aligned (`_place`), where a block's links do not depend
         on where it starts, so one plan serves every offset (its device list is moved)."""
         key = (prog.structure, mesh.shape, mesh.axis_names, manual, lean)
-        if key in self.costs:
-            return self._renamed(_moved(self.costs[key], mesh.device_offset), prog)
+        if key not in self.costs:
+            self._compute(key, prog, mesh, manual, lean)
+        cost = self.costs[key]
+        if isinstance(cost, PlanningError):
+            raise cost
+        return self._renamed(_moved(cost, mesh.device_offset), prog)
+
+    def prefetch(self, jobs) -> None:
+        """Plans the (program, mesh, manual, lean) jobs `cost` has not memoised, several at
+        a time: HiGHS releases the GIL while it solves, so on a machine with more than one
+        core the solves overlap. Each job is planned exactly as `cost` would, alone; a job
+        that cannot be planned is remembered, and `cost` raises its error."""
+        todo = {}
+        for prog, mesh, manual, lean in jobs:
+            key = (prog.structure, mesh.shape, mesh.axis_names, manual, lean)
+            if key not in self.costs:
+                todo.setdefault(key, (key, prog, mesh, manual, lean))
+        workers = min(len(todo), os.cpu_count() or 1)
+        if workers <= 1:
+            for job in todo.values():
+                self._compute(*job)
+            return
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for f in [pool.submit(self._compute, *job) for job in todo.values()]:
+                f.result()
+
+    def _compute(self, key, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+                 lean: bool) -> None:
+        try:
+            self.costs[key] = self._plan(prog, mesh, manual, lean)
+        except PlanningError as e:
+            self.costs[key] = e
+
+    def _plan(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+              lean: bool) -> StageCost:
         fb = prog.fb.graph
         pin = node_pin = None
         if manual is not None:
             pin, node_pin = _manual_pins(fb, manual.dp, manual.tp, False, self.seeds(prog))
         elif lean:
             pin = _most_split_params(fb, mesh)
+        with self._lock:
+            memo = self.memos.setdefault((mesh.shape, mesh.axis_names),
+                                         MeshMemo.for_mesh(mesh, self.cluster))
         res = plan_stage(fb, mesh, self.cluster, pin=pin, node_pin=node_pin,
                          solver=self.solver, time_limit_s=self.time_limit_s,
                          tensor_names=self.input_names(prog),
-                         param_memory_factor=2.0 + self.opt_ratio)
-        self.ilps += 1
-        self.build_s += res.build_s
-        self.solve_s += res.solve_s
+                         param_memory_factor=2.0 + self.opt_ratio, memo=memo)
+        with self._lock:
+            self.ilps += 1
+            self.build_s += res.build_s
+            self.solve_s += res.solve_s
         st = res.stage
         spec = dict(st.tensor_specs)
         for t, s in zip(fb.inputs, st.input_specs):
@@ -147,11 +189,9 @@ class _Planner:
         all_flops = max(sum(n.flops for n in fb.nodes), 1.0)
         forward_s = st.total_s * fwd_flops / all_flops
         out_bytes = sum(self.parts.forward.graph.tensors[t].nbytes for t in prog.outputs)
-        cost = StageCost(result=res, forward_s=forward_s, backward_s=st.total_s - forward_s,
+        return StageCost(result=res, forward_s=forward_s, backward_s=st.total_s - forward_s,
                          param_bytes=params * (2.0 + self.opt_ratio), act_bytes=inputs + residual,
                          input_bytes=inputs, output_bytes=out_bytes)
-        self.costs[key] = cost
-        return cost
 
 
 def _most_split_params(graph, mesh: LogicalMesh):
@@ -371,32 +411,64 @@ def _even_split(L: int, pp: int) -> tuple[tuple[int, int], ...]:
 
 def _polish(planner: _Planner, method: Auto, cluster: Cluster, bounds, chosen, m: int):
     """The DP costs a stage as the sum of its layers; each chosen stage is now planned whole
-    on every logical mesh of its submesh (fastest and memory-lean, with its remat choice)
-    and keeps the fastest that fits, so the final mesh choice is exact per stage."""
+    on the logical meshes of its submesh (fastest and memory-lean, with its remat choice)
+    and keeps the fastest that fits, so the final mesh choice is made on whole stages.
+
+    Meshes are tried in the order of their layer sums. A whole stage costs at least the sum
+    of its layers planned alone (it adds the resharding between layers), so once a whole
+    plan that fits is in hand, a mesh whose layer sum is no faster is not planned."""
     budget = method.memory_budget_bytes or cluster.device.memory_bytes
     S = len(chosen)
     out = []
-    for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
-        prog = planner.program(bounds[a][0], bounds[b][1])
-        in_flight = min(S - s, m) if method.schedule == "1f1b" else m
+
+    def candidates(a: int, b: int, mesh: LogicalMesh, remat: bool):
         sub = SubmeshShape(max(1, mesh.num_devices // cluster.devices_per_node),
                            min(mesh.num_devices, cluster.devices_per_node))
-        best = None
+        found = []
         for shape in _logical_shapes(sub):
-            for lean_ in (False, True):
-                cand = LogicalMesh(shape, ("x", "y"), device_offset=mesh.device_offset)
-                try:
-                    c = planner.cost(prog, cand, None, lean_)
-                except PlanningError:
-                    continue
-                act = c.input_bytes if remat else c.act_bytes
-                memory = c.param_bytes + act * in_flight
-                t = c.forward_s * (2 if remat else 1) + c.backward_s
-                key = (memory > budget, t)
-                if best is None or key < best[0]:
-                    best = (key, ((a, b), cand, remat, lean_))
+            at_zero = LogicalMesh(shape, ("x", "y"))
+            sums = np.zeros(2)
+            for layer in range(a, b + 1):
+                for i, c in enumerate(_layer_options(planner, planner.program(*bounds[layer]),
+                                                     at_zero)):
+                    sums[i] += c.forward_s * (2 if remat else 1) + c.backward_s
+            cand = LogicalMesh(shape, ("x", "y"), device_offset=mesh.device_offset)
+            found += [(sums[0], cand, False), (sums[1], cand, True)]
+        return sorted(found, key=lambda f: (f[0], f[2], f[1].shape))
+
+    plans = [(planner.program(bounds[a][0], bounds[b][1]), candidates(a, b, mesh, remat))
+             for (a, b), mesh, remat, _ in chosen]
+    planner.prefetch((prog, cands[0][1], None, cands[0][2]) for prog, cands in plans)
+    for s, (((a, b), mesh, remat, lean), (prog, cands)) in enumerate(zip(chosen, plans)):
+        in_flight = min(S - s, m) if method.schedule == "1f1b" else m
+        best = None
+        for layer_sum, cand, lean_ in cands:
+            if best is not None and not best[0][0] and layer_sum >= best[0][1]:
+                break
+            try:
+                c = planner.cost(prog, cand, None, lean_)
+            except PlanningError:
+                continue
+            act = c.input_bytes if remat else c.act_bytes
+            memory = c.param_bytes + act * in_flight
+            t = c.forward_s * (2 if remat else 1) + c.backward_s
+            key = (memory > budget, t)
+            if best is None or key < best[0]:
+                best = (key, ((a, b), cand, remat, lean_))
         out.append(best[1] if best is not None else ((a, b), mesh, remat, lean))
     return out
+
+
+def _layer_options(planner: _Planner, prog: StageProgram, mesh: LogicalMesh):
+    """A layer's fastest and memory-lean plans on `mesh` (the same plan where the fastest
+    already splits every parameter as finely as the mesh allows)."""
+    fast = planner.cost(prog, mesh, None)
+    if _params_finest(prog, fast, mesh):
+        return fast, fast
+    try:
+        return fast, planner.cost(prog, mesh, None, lean=True)
+    except PlanningError:
+        return fast, fast
 
 
 def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
@@ -413,19 +485,17 @@ def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
     # over a data-parallel axis would have nothing that fits). The lean one is solved only
     # where the fastest does not already split every parameter that finely.
     rows: dict[tuple[int, tuple[int, int], str], list] = {}
-    for li, (a, b) in enumerate(bounds):
-        prog = planner.program(a, b)
+    progs = [planner.program(a, b) for a, b in bounds]
+    meshes = [LogicalMesh(shape, ("x", "y")) for sub in shapes for shape in _logical_shapes(sub)]
+    distinct = list({prog.structure: prog for prog in progs}.values())
+    planner.prefetch((prog, mesh, None, False) for prog in distinct for mesh in meshes)
+    planner.prefetch((prog, mesh, None, True) for prog in distinct for mesh in meshes
+                     if not _params_finest(prog, planner.cost(prog, mesh, None), mesh))
+    for li, prog in enumerate(progs):
         for si, sub in enumerate(shapes):
             for shape in _logical_shapes(sub):
-                mesh = LogicalMesh(shape, ("x", "y"))
-                fast = planner.cost(prog, mesh, None)
-                lean = fast
-                if not _params_finest(prog, fast, mesh):
-                    try:
-                        lean = planner.cost(prog, mesh, None, lean=True)
-                    except PlanningError:
-                        lean = fast
-                for kind, c in (("fast", fast), ("lean", lean)):
+                options = _layer_options(planner, prog, LogicalMesh(shape, ("x", "y")))
+                for kind, c in zip(("fast", "lean"), options):
                     rows.setdefault((si, shape, kind), []).append(
                         [c.forward_s, c.backward_s, c.param_bytes, c.act_bytes, c.input_bytes])
     prefix = {k: np.vstack([np.zeros(5), np.cumsum(np.array(v), axis=0)])

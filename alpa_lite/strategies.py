@@ -73,7 +73,10 @@ class Units:
     constant's) and every node (unit id = offset + node id)."""
 
     def __init__(self, graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, comm: CommModel,
-                 pin: InputPin | None, node_pin: NodePin | None = None):
+                 pin: InputPin | None, node_pin: NodePin | None = None,
+                 memo: dict | None = None):
+        """`memo`: strategies by structural key, shared by every graph planned on the same
+        mesh shape and cluster (the pipeline planner's layers); None for a private one."""
         self.graph = graph
         self.mesh = mesh
         self.cluster = cluster
@@ -88,13 +91,15 @@ class Units:
             self.strategies.append(self._input_strategies(graph.tensors[tid], pin))
         # Repeated layers repeat their operators: enumerate each distinct operator once and
         # share the list (the follow-choice memo below keys on the shared list too).
-        by_key: dict[tuple, list[Strategy]] = {}
+        by_key: dict[tuple, tuple[list[Strategy], str | None]] = {} if memo is None else memo
         filtered: dict[tuple, list[Strategy]] = {}
         for node in graph.nodes:
             key = structural_key(graph, node)
             if key not in by_key:
                 by_key[key] = self._node_strategies(node)
-            strategies = by_key[key]
+            strategies, unsharded = by_key[key]
+            if unsharded is not None:
+                self.unsharded.add(unsharded)
             if node_pin is not None:
                 kept = tuple(i for i, st in enumerate(strategies) if node_pin(node, st))
                 if kept and len(kept) < len(strategies):
@@ -134,7 +139,8 @@ class Units:
                 "not divide its dimensions; choose a mesh whose axes divide it")
         return out
 
-    def _node_strategies(self, node: Node) -> list[Strategy]:
+    def _node_strategies(self, node: Node) -> tuple[list[Strategy], str | None]:
+        """The node's strategies, and its primitive if it has no sharding rule."""
         g = self.graph
         in_shapes = [None if t is None else g.tensors[t].shape for t in node.inputs]
         outs = [g.tensors[t] for t in node.outputs]
@@ -142,13 +148,13 @@ class Units:
         dtype = outs[0].dtype if outs else "float32"
         is_mm = node.primitive in MATMUL
         if labels is None:
-            if node.primitive not in ("copy", "copy_p") and any(len(o.shape) for o in outs):
-                self.unsharded.add(node.primitive)
+            unsharded = node.primitive if (node.primitive not in ("copy", "copy_p") and
+                                           any(len(o.shape) for o in outs)) else None
             in_specs = tuple(None if s is None else TensorSpec.replicated(len(s))
                              for s in in_shapes)
             return [Strategy(in_specs, tuple(TensorSpec.replicated(len(o.shape)) for o in outs),
                              compute_time(node.flops, node.bytes_accessed,
-                                          self.cluster.device, dtype, is_mm))]
+                                          self.cluster.device, dtype, is_mm))], unsharded
         result = []
         for assign in enumerate_assignments(labels, self.axes):
             in_specs = []
@@ -180,7 +186,7 @@ class Units:
             if partial and len(outs) == 1 and self.cluster.platform != "cpu":
                 result.extend(self._scattered_variants(outs[0], tuple(in_specs), out_specs[0],
                                                        reduced_groups, compute, shards))
-        return result
+        return result, None
 
     def _scattered_variants(self, out: Tensor, in_specs, out_spec: TensorSpec,
                             reduced_groups: list[tuple[str, ...]], compute: float, shards: int

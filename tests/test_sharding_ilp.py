@@ -357,7 +357,7 @@ def test_constraints_are_named():
          {"edge_0_1_row_0", "edge_0_1_row_1", "edge_0_1_col_0", "edge_0_1_col_1"}),
     ]:
         model = ilp._build_model(work, formulation)
-        names = set(model.problem._constraints)
+        names = set(model.row_names)
         assert names == {"unique_0_dot_0", "unique_1_b", "memory"} | edge_names
 
 
@@ -398,11 +398,17 @@ def test_describe_lists_choices():
     assert "mm: S0 (1 s)" in text
 
 
+_TWO_NODES = ShardingProblem(
+    (ILPNode("a", (1.0, 2.0)), ILPNode("b", (2.0, 1.0))),
+    (ILPEdge(0, 1, np.array([[0.0, 5.0], [5.0, 0.0]])),),
+)
+
+
 @pytest.mark.parametrize(
     "solution_status, expect",
     [(1, "optimal"), (2, "time-limit (feasible)"), (0, "larger time_limit_s")],
 )
-def test_solver_status_is_reported(monkeypatch, solution_status, expect):
+def test_cbc_status_is_reported(monkeypatch, solution_status, expect):
     """Stopping at the time limit: a feasible answer is returned and marked, none raises."""
     import pulp
 
@@ -415,13 +421,38 @@ def test_solver_status_is_reported(monkeypatch, solution_status, expect):
         self.sol_status = solution_status
 
     monkeypatch.setattr(pulp.LpProblem, "solve", solve_then_pretend)
-    problem = ShardingProblem(
-        (ILPNode("a", (1.0, 2.0)), ILPNode("b", (2.0, 1.0))),
-        (ILPEdge(0, 1, np.array([[0.0, 5.0], [5.0, 0.0]])),),
-    )
     if solution_status == 0:
         with pytest.raises(RuntimeError, match=expect):
-            solve_sharding_ilp(problem, Solver.HIGHS, presolve=False)
+            solve_sharding_ilp(_TWO_NODES, Solver.CBC, presolve=False)
     else:
-        solution = solve_sharding_ilp(problem, Solver.HIGHS, presolve=False)
+        solution = solve_sharding_ilp(_TWO_NODES, Solver.CBC, presolve=False)
+        assert solution.status == expect and solution.objective_s == 3.0
+
+
+@pytest.mark.parametrize(
+    "time_limit, feasible, expect",
+    [(False, True, "optimal"), (True, True, "time-limit (feasible)"),
+     (True, False, "larger time_limit_s")],
+)
+def test_highs_status_is_reported(monkeypatch, time_limit, feasible, expect):
+    """The same through highspy: its model status and primal solution status."""
+    import highspy
+
+    class Pretend(highspy.Highs):
+        def getModelStatus(self):
+            real = super().getModelStatus()
+            return highspy.HighsModelStatus.kTimeLimit if time_limit else real
+
+        def getInfo(self):
+            info = super().getInfo()
+            if not feasible:
+                info.primal_solution_status = 0
+            return info
+
+    monkeypatch.setattr(highspy, "Highs", Pretend)
+    if not feasible:
+        with pytest.raises(RuntimeError, match=expect):
+            solve_sharding_ilp(_TWO_NODES, Solver.HIGHS, presolve=False)
+    else:
+        solution = solve_sharding_ilp(_TWO_NODES, Solver.HIGHS, presolve=False)
         assert solution.status == expect and solution.objective_s == 3.0
