@@ -11,6 +11,7 @@
 from alpa_lite.api import ParallelizedStep as ParallelizedStep
 from alpa_lite.api import parallelize as parallelize
 from alpa_lite.cost_models.cluster import Cluster as Cluster
+from alpa_lite.errors import NonFiniteGradientError as NonFiniteGradientError
 from alpa_lite.errors import PlanMismatchError as PlanMismatchError
 from alpa_lite.errors import PlanningError as PlanningError
 from alpa_lite.markers import grad as grad
@@ -22,7 +23,7 @@ from alpa_lite.methods import Manual as Manual
 from alpa_lite.plan import Plan as Plan
 
 __all__ = [
-    "Auto", "Cluster", "DataParallel", "Manual", "ParallelizedStep", "Plan",
-    "PlanMismatchError", "PlanningError", "grad", "mark_layer_boundary", "parallelize",
+    "Auto", "Cluster", "DataParallel", "Manual", "NonFiniteGradientError", "ParallelizedStep",
+    "Plan", "PlanMismatchError", "PlanningError", "grad", "mark_layer_boundary", "parallelize",
     "value_and_grad",
 ]

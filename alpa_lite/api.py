@@ -17,8 +17,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from alpa_lite import compression as C
+from alpa_lite.compressed_planner import make_compressed_plan
+from alpa_lite.compressed_runtime import CompressedExecutable
 from alpa_lite.cost_models.cluster import Cluster
-from alpa_lite.errors import PlanMismatchError
+from alpa_lite.errors import PlanMismatchError, PlanningError
 from alpa_lite.graph import Role
 from alpa_lite.methods import Auto, DataParallel, Manual, Method
 from alpa_lite.pipeline_planner import make_pipeline_plan
@@ -34,10 +37,16 @@ class ParallelizedStep:
     """A train step with a parallelization method attached (see `parallelize`)."""
 
     def __init__(self, fn: Callable, method: Method, cluster: Cluster | None,
-                 batch_argnums: Sequence[int] | None, fixed_plan: Plan | None = None):
+                 batch_argnums: Sequence[int] | None, fixed_plan: Plan | None = None,
+                 compression=None, on_nonfinite: str = "raise"):
         if not isinstance(method, (Auto, Manual, DataParallel)):
             raise TypeError(f"method must be al.Auto(), al.Manual(dp, tp) or "
                             f"al.DataParallel(), got {method!r}")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        self.compression = _compression_setting(compression)
+        self.on_nonfinite = on_nonfinite
+        self._last_compressed: CompressedExecutable | None = None
         self.fn = fn
         self.method = method
         self.cluster = cluster
@@ -118,6 +127,19 @@ class ParallelizedStep:
             if pipelined:
                 plan = make_pipeline_plan(self.parts(*args), self.method, cluster,
                                           traced.fingerprint, traced.input_avals, names)
+            elif self.compression is not None:
+                # Workers are to the batch what micro-batches are: the same check proves
+                # the loss combines exactly (a mean or a sum over examples).
+                try:
+                    workers = split_step(self.fn, args, self._batch_argnums(len(args)),
+                                         cluster.num_devices)
+                except PlanningError as e:
+                    raise PlanningError(
+                        f"gradient compression runs the loss on each of the "
+                        f"{cluster.num_devices} workers' share of the batch, as if they were "
+                        f"micro-batches, and this step cannot be split so: {e}") from None
+                plan = make_compressed_plan(traced, self.method, cluster, self.compression,
+                                            workers.loss_scale, names)
             else:
                 plan = make_plan(traced, self.method, cluster, tensor_names=names)
             self._plans[key] = replace_stats(plan, trace_s=trace_s)
@@ -127,7 +149,11 @@ class ParallelizedStep:
         """The compiled executable for these arguments on the local devices."""
         cluster = self.cluster or Cluster.local()
         local = Cluster.local()
-        if cluster.fingerprint() != local.fingerprint():
+        # The local devices may be described as another grouping into nodes (e.g. to run
+        # a two-node plan on one machine's devices): the same devices, other links.
+        same_devices = (cluster.num_devices == local.num_devices
+                        and cluster.device == local.device)
+        if not same_devices:
             raise PlanMismatchError(
                 f"this step is set to cluster {cluster.name!r}, which is not the local "
                 f"devices ({local.name}); plan for it with .plan(..., cluster=...) and run on "
@@ -138,6 +164,10 @@ class ParallelizedStep:
             if plan.pipeline is not None:
                 self._executables[key] = PipelineExecutable(self.parts(*args), plan,
                                                             jax.devices())
+            elif plan.compression is not None:
+                self._executables[key] = CompressedExecutable(
+                    self.fn, self.trace(*args), plan, jax.devices(),
+                    self._batch_argnums(len(args)), self.on_nonfinite)
             else:
                 self._executables[key] = Executable(self.trace(*args), plan, jax.devices())
         return self._executables[key]
@@ -145,14 +175,41 @@ class ParallelizedStep:
     def with_plan(self, plan: Plan) -> "ParallelizedStep":
         """A step that runs `plan` (e.g. one loaded from JSON) instead of planning; it is
         checked against the cluster, program and argument shapes on the first call."""
-        return ParallelizedStep(self.fn, self.method, self.cluster, self.batch_argnums, plan)
+        return ParallelizedStep(self.fn, self.method, self.cluster, self.batch_argnums, plan,
+                                self.compression, self.on_nonfinite)
 
     def __call__(self, *args):
-        return self.executable(*args)(*args)
+        exe = self.executable(*args)
+        if isinstance(exe, CompressedExecutable):
+            self._last_compressed = exe
+        return exe(*args)
+
+    # ---- compressor state (residuals, warm starts, delayed queues) ----------------------
+
+    def _compressed(self) -> CompressedExecutable:
+        if self._last_compressed is None:
+            raise ValueError("no compressed step has run yet: the compression state exists "
+                             "after the first call of a step with compression=...")
+        return self._last_compressed
+
+    @property
+    def compression_state(self):
+        """The per-worker compressor state of the last compressed call: a pytree of arrays
+        stacked over workers (one row per device), for checkpoints."""
+        return self._compressed().state()
+
+    def set_compression_state(self, state) -> None:
+        """Restores a state `compression_state` returned (same plan and shapes)."""
+        self._compressed().set_state(state)
+
+    def reset_compression_state(self) -> None:
+        """Zeroes every residual and queue and restarts warm-ups (step count 0)."""
+        self._compressed().reset_state()
 
 
 def parallelize(fn: Callable | None = None, *, method: Method | None = None,
-                cluster: Cluster | None = None, batch_argnums: Sequence[int] | None = None):
+                cluster: Cluster | None = None, batch_argnums: Sequence[int] | None = None,
+                compression=None, on_nonfinite: str = "raise"):
     """Parallelizes a train step.
 
     Args:
@@ -161,6 +218,14 @@ def parallelize(fn: Callable | None = None, *, method: Method | None = None,
       method: `al.Auto()` (default), `al.Manual(dp, tp)` or `al.DataParallel()`.
       cluster: the cluster to plan for; default the local devices.
       batch_argnums: positional arguments holding the batch (default: the last one).
+      compression: how data-parallel gradients travel: a compressor from
+        `alpa_lite.compression` (e.g. `PowerSGD(rank=4)`), `DelayedAveraging(delay=D)`,
+        `AutoCompression(allow=...)` or "auto" (the planner chooses among the allowed
+        methods and none; plain "auto" allows no lossy method). None: the plan's own
+        collectives, uncompressed.
+      on_nonfinite: with compression, a NaN or Inf gradient raises
+        `NonFiniteGradientError` ("raise") or skips the update with a warning ("skip");
+        either way the parameters and the compressor state stay as they were.
 
     Returns:
       A `ParallelizedStep`; usable as a decorator with or without arguments.
@@ -168,5 +233,21 @@ def parallelize(fn: Callable | None = None, *, method: Method | None = None,
     method = Auto() if method is None else method
 
     def wrap(f):
-        return ParallelizedStep(f, method, cluster, batch_argnums)
+        return ParallelizedStep(f, method, cluster, batch_argnums,
+                                compression=compression, on_nonfinite=on_nonfinite)
     return wrap if fn is None else wrap(fn)
+
+
+def _compression_setting(compression):
+    if compression is None:
+        return None
+    if isinstance(compression, str):
+        if compression != "auto":
+            raise ValueError(f"compression={compression!r}: the only name accepted is "
+                             "'auto'; pass a compressor such as "
+                             "alpa_lite.compression.PowerSGD(rank=4)")
+        return C.AutoCompression()
+    if isinstance(compression, (C.Compressor, C.DelayedAveraging, C.AutoCompression)):
+        return compression
+    raise TypeError(f"compression must be a compressor from alpa_lite.compression, "
+                    f"DelayedAveraging, AutoCompression or 'auto', got {compression!r}")

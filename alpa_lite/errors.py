@@ -7,3 +7,7 @@ class PlanningError(ValueError):
 
 class PlanMismatchError(ValueError):
     """A plan was used with a different cluster, program or argument shapes."""
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf; the step changed nothing (see `on_nonfinite`)."""

@@ -20,11 +20,36 @@ _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s+"
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+
+
 @dataclasses.dataclass(frozen=True)
 class HloCollective:
     kind: str
     nbytes: int          # per device, result shape (summed over a tuple result)
     num_results: int     # tuple arity (a combined all-reduce carries several tensors)
+    group_size: int = 0  # devices per replica group; 0 when the HLO does not say
+
+    def sent_bytes(self, num_devices: int) -> float:
+        """Bytes one device sends for this op with ring algorithms (all-reduce 2(n-1)/n of
+        its buffer, all-gather and all-to-all (n-1)/n of their result, reduce-scatter
+        (n-1) times its result); `num_devices` is the group size when the HLO gives none."""
+        n = self.group_size or num_devices
+        if n <= 1:
+            return 0.0
+        factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n,
+                  "all-to-all": (n - 1) / n, "reduce-scatter": n - 1,
+                  "collective-permute": 1.0}[self.kind]
+        return factor * self.nbytes
+
+
+def _group_size(line: str) -> int:
+    m = _GROUPS_LIST.search(line)
+    if m:
+        return len([x for x in m.group(1).split(",") if x])
+    m = _GROUPS_IOTA.search(line)
+    return int(m.group(2)) if m else 0
 
 
 def _shape_bytes(text: str) -> list[int]:
@@ -49,7 +74,7 @@ def collectives_in_hlo(hlo_text: str) -> list[HloCollective]:
                                                   "all-to-all", "reduce-scatter") \
                 and len(sizes) >= 2:
             sizes = sizes[len(sizes) // 2:]   # (operands..., results...)
-        found.append(HloCollective(m.group("op"), sum(sizes), len(sizes)))
+        found.append(HloCollective(m.group("op"), sum(sizes), len(sizes), _group_size(line)))
     return found
 
 

@@ -19,6 +19,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from alpa_lite.errors import PlanningError
+
 # What a marker says about the values it wraps.
 PARAM = "param"
 GRAD = "grad"
@@ -80,6 +82,8 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
     @functools.wraps(fun)
     def wrapped(*args, **kw):
+        if _HOOKS:
+            return _hooked_value_and_grad(inner, nums, has_aux, args, kw)
         if _CAPTURE:
             if kwargs:
                 raise NotImplementedError(
@@ -221,6 +225,12 @@ def _is_array(x) -> bool:
 
 
 def _captured_value_and_grad(fun, nums, has_aux, kwargs, args):
+    if has_aux:
+        raise PlanningError(
+            "value_and_grad(..., has_aux=True) cannot be split into micro-batches or "
+            "per-worker parts: aux outputs of different parts cannot be combined in general. "
+            "Return the auxiliary values from a separate forward, or plan without "
+            "micro-batches and compression")
     calls = _CAPTURE[-1]
     leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
     arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
@@ -260,3 +270,53 @@ def _captured_value_and_grad(fun, nums, has_aux, kwargs, args):
     calls.append(call)
     outs = grad_call_p.bind(*[leaves[j] for j in arrays], index=len(calls) - 1)
     return jax.tree_util.tree_unflatten(call.out_tree, outs)
+
+
+# ---- gradient hooks ------------------------------------------------------------------------
+#
+# Compressed data parallelism runs the user's step once per worker, on the worker's share of
+# the batch, and replaces the gradient all-reduce with its own exchange. While a hook is
+# active, `value_and_grad` hands the hook the differentiated arguments before it
+# differentiates (so it can keep the gradient local to the worker) and the loss and
+# gradients after (to exchange them); the step sees what the hook returns.
+
+_HOOKS: list = []
+
+
+class GradientHook:
+    """What `gradient_hook` calls; subclasses implement both methods."""
+
+    def localize(self, params):
+        """The differentiated arguments as the gradient should see them."""
+        raise NotImplementedError
+
+    def exchange(self, value, grads):
+        """(loss, gradients) of this worker -> (loss, gradients) the step continues with."""
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def gradient_hook(hook: GradientHook):
+    """While active, every `value_and_grad` / `grad` call goes through `hook`."""
+    _HOOKS.append(hook)
+    try:
+        yield hook
+    finally:
+        _HOOKS.pop()
+
+
+def _hooked_value_and_grad(inner, nums, has_aux, args, kw):
+    if has_aux:
+        raise NotImplementedError(
+            "value_and_grad(..., has_aux=True) is not supported with gradient compression: "
+            "the auxiliary output is computed on one worker's share of the batch, and there "
+            "is no exact way to combine it; return it from a separate, uncompressed step")
+    hook = _HOOKS[-1]
+    args = list(args)
+    for i in nums:
+        if i >= len(args):
+            raise TypeError(f"value_and_grad(argnums={nums}) but the call passed only "
+                            f"{len(args)} positional arguments")
+        args[i] = hook.localize(args[i])
+    value, grads = inner(*args, **kw)
+    return hook.exchange(value, grads)

@@ -87,11 +87,6 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
             "al.value_and_grad / al.grad call per step")
     node = calls[0]
     call = outer.grad_calls[node.params["index"]]
-    if call.has_aux:
-        raise PlanningError(
-            "value_and_grad(..., has_aux=True) cannot be pipelined: aux outputs of different "
-            "micro-batches cannot be combined in general. Return the auxiliary values from a "
-            "separate forward, or plan with pp=1 and num_micro_batches=1")
     for pos, tid in enumerate(node.inputs):
         if tid is not None and g.producer(tid) is not None:
             raise PlanningError(

@@ -16,7 +16,7 @@ from typing import Any
 from alpa_lite.errors import PlanMismatchError
 from alpa_lite.sharding import TensorSpec
 
-PLAN_FORMAT = "alpa_lite.plan/2"
+PLAN_FORMAT = "alpa_lite.plan/3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +85,36 @@ class PipelineSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompressionSpec:
+    """How a data-parallel plan exchanges its gradients (alpa_lite.compressed_runtime).
+
+    Every device is a worker holding all parameters. With more than one node the exchange
+    is hierarchical: full precision inside a node (`intra_axis`), `exchange` between nodes
+    (`axis`); on one node `exchange` runs among its devices.
+    """
+    exchange: dict                  # the method's config (alpa_lite.compression.to_config)
+    description: str
+    axis: str                       # mesh axis the exchange runs over: "node" or "local"
+    num_workers: int                # workers on that axis
+    hierarchical: bool              # a full-precision reduce-scatter / all-gather inside nodes
+    delay: int                      # delayed averaging's D; 0: synchronous
+    loss_scale: float               # per-worker losses and gradients combine as scale x sum
+    wire_bytes: float               # per worker per step, sent in the exchange
+    dense_wire_bytes: float         # the same for an uncompressed all-reduce
+    sync_s: float                   # the exchange (critical path share when delayed)
+    dense_sync_s: float             # the uncompressed synchronous exchange
+    compute_s: float                # the step without its gradient exchange
+    step_time_s: float
+    uncompressed_step_time_s: float
+    candidates: tuple[tuple[str, float, bool], ...] = ()   # (method, step s, fits memory)
+
+    @property
+    def saved_s(self) -> float:
+        """Estimated time per step saved against the uncompressed synchronous exchange."""
+        return self.uncompressed_step_time_s - self.step_time_s
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanningStats:
     """How the plan was found (not serialised: it varies run to run)."""
     trace_s: float = 0.0
@@ -115,6 +145,7 @@ class Plan:
     stages: tuple[StagePlan, ...]
     unsharded_primitives: tuple[str, ...] = ()
     pipeline: PipelineSpec | None = None
+    compression: CompressionSpec | None = None
     stats: PlanningStats = dataclasses.field(default_factory=PlanningStats, compare=False)
 
     @property
@@ -130,6 +161,8 @@ class Plan:
         """Estimated time of one training step."""
         if self.pipeline is not None:
             return self.pipeline.step_time_s
+        if self.compression is not None:
+            return self.compression.step_time_s
         return sum(s.total_s for s in self.stages)
 
     @property
@@ -272,13 +305,27 @@ def _plan_to_obj(p: Plan) -> dict[str, Any]:
         "stages": [_stage_to_obj(s) for s in p.stages],
         "unsharded_primitives": list(p.unsharded_primitives),
         "pipeline": _pipeline_to_obj(p.pipeline),
+        "compression": None if p.compression is None else
+        dataclasses.asdict(p.compression) | {"candidates": [list(c) for c in
+                                                             p.compression.candidates]},
     }
+
+
+def _compression_from_obj(o) -> CompressionSpec | None:
+    if o is None:
+        return None
+    fields = {f.name for f in dataclasses.fields(CompressionSpec)}
+    if set(o) != fields:
+        raise ValueError(f"compression: unexpected keys {sorted(set(o) - fields)}, missing "
+                         f"{sorted(fields - set(o))}")
+    return CompressionSpec(**(o | {"candidates": tuple((str(a), float(b), bool(c))
+                                                       for a, b, c in o["candidates"])}))
 
 
 def _plan_from_obj(o: dict[str, Any]) -> Plan:
     expected = {"format", "method", "cluster_name", "cluster_fingerprint",
                 "program_fingerprint", "input_signature", "stages", "unsharded_primitives",
-                "pipeline"}
+                "pipeline", "compression"}
     if set(o) != expected:
         raise ValueError(f"unexpected keys {sorted(set(o) - expected)}, missing "
                          f"{sorted(expected - set(o))}")
@@ -289,4 +336,5 @@ def _plan_from_obj(o: dict[str, Any]) -> Plan:
         input_signature=tuple((tuple(int(d) for d in s), str(t)) for s, t in o["input_signature"]),
         stages=tuple(_stage_from_obj(s) for s in o["stages"]),
         unsharded_primitives=tuple(o["unsharded_primitives"]),
-        pipeline=_pipeline_from_obj(o["pipeline"]))
+        pipeline=_pipeline_from_obj(o["pipeline"]),
+        compression=_compression_from_obj(o["compression"]))

@@ -30,7 +30,26 @@ def plan_summary(plan, max_rows: int = 40) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=110, force_terminal=False, color_system=None)
     console.print(f"alpa_lite plan  method={plan.method}  cluster={plan.cluster_name}")
-    if plan.pipeline is None:
+    if plan.compression is not None:
+        c = plan.compression
+        where = (f"between {c.num_workers} nodes, full precision inside each node"
+                 if c.hierarchical else f"over the {c.num_workers} workers of axis {c.axis}")
+        console.print(f"estimated step {_fmt_time(c.step_time_s)} = compute "
+                      f"{_fmt_time(c.compute_s)} + gradient exchange {_fmt_time(c.sync_s)}"
+                      f"{' (delayed)' if c.delay else ''}; peak memory "
+                      f"{_fmt_bytes(plan.peak_memory_bytes)} per device")
+        console.print(f"gradient exchange: {escape(c.description)}, {where}; "
+                      f"{_fmt_bytes(c.wire_bytes)} per worker per step against "
+                      f"{_fmt_bytes(c.dense_wire_bytes)} uncompressed; saves "
+                      f"{_fmt_time(c.saved_s)} per step")
+        if len(c.candidates) > 1:
+            table = Table(show_edge=False)
+            for col in ("exchange", "est. step", "fits"):
+                table.add_column(col)
+            for label, t, fits in sorted(c.candidates, key=lambda r: r[1]):
+                table.add_row(escape(label), _fmt_time(t), "yes" if fits else "no")
+            console.print(table)
+    elif plan.pipeline is None:
         console.print(f"estimated step {_fmt_time(plan.step_time_s)} = compute "
                       f"{_fmt_time(plan.compute_s)} + communication {_fmt_time(plan.comm_s)}; "
                       f"peak memory {_fmt_bytes(plan.peak_memory_bytes)} per device")

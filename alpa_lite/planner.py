@@ -168,7 +168,11 @@ def batch_dims(graph: OpGraph, seeds: Mapping[int, int | None] | None = None) ->
 
 
 def _manual_pins(graph: OpGraph, dp: int, tp: int, zero: bool,
-                 seeds: Mapping[int, int | None] | None = None):
+                 seeds: Mapping[int, int | None] | None = None, split_batch: bool = False):
+    """Input and operator pins of a Manual(dp, tp) plan. With `split_batch` (DataParallel)
+    every value that carries the batch keeps it split over dp: without it the ILP may
+    gather the batch and compute replicated, which skips the gradient all-reduce on slow
+    links but is not data parallelism."""
     layout = megatron_weight_dims(graph, tp)
     weight_dims = layout.weight_dims if tp > 1 else {}
     read_spec = {(n, pos): layout.operand_spec(param, dmap) if tp > 1
@@ -190,6 +194,8 @@ def _manual_pins(graph: OpGraph, dp: int, tp: int, zero: bool,
         for t, spec in zip(node.outputs, strategy.out_specs):
             d = spec.dim_of("dp")
             if d is not None and d != bdims.get(t) and not (zero and bdims.get(t) is None):
+                return False
+            if split_batch and dp > 1 and bdims.get(t) is not None and d != bdims[t]:
                 return False
         return True
 
@@ -239,7 +245,8 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
         _check_batch(graph, method_m.dp)
         mesh = LogicalMesh((method_m.dp, method_m.tp), ("dp", "tp"))
         pin, node_pin = _manual_pins(graph, method_m.dp, method_m.tp,
-                                     method_m.shard_optimizer_state)
+                                     method_m.shard_optimizer_state,
+                                     split_batch=isinstance(method, DataParallel))
         res = plan_stage(graph, mesh, cluster, pin=pin, node_pin=node_pin,
                          memory_budget_bytes=None, solver=_solver(method_m.solver),
                          time_limit_s=method_m.time_limit_s, tensor_names=dict(tensor_names or {}))
