@@ -38,7 +38,7 @@ class ParallelizedStep:
 
     def __init__(self, fn: Callable, method: Method, cluster: Cluster | None,
                  batch_argnums: Sequence[int] | None, fixed_plan: Plan | None = None,
-                 compression=None, on_nonfinite: str = "raise"):
+                 compression=None, on_nonfinite: str = "raise", compression_seed: int = 0):
         if not isinstance(method, (Auto, Manual, DataParallel)):
             raise TypeError(f"method must be al.Auto(), al.Manual(dp, tp) or "
                             f"al.DataParallel(), got {method!r}")
@@ -46,6 +46,7 @@ class ParallelizedStep:
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.compression = _compression_setting(compression)
         self.on_nonfinite = on_nonfinite
+        self.compression_seed = int(compression_seed)
         self._last_compressed: CompressedExecutable | None = None
         self.fn = fn
         self.method = method
@@ -167,7 +168,7 @@ class ParallelizedStep:
             elif plan.compression is not None:
                 self._executables[key] = CompressedExecutable(
                     self.fn, self.trace(*args), plan, jax.devices(),
-                    self._batch_argnums(len(args)), self.on_nonfinite)
+                    self._batch_argnums(len(args)), self.on_nonfinite, self.compression_seed)
             else:
                 self._executables[key] = Executable(self.trace(*args), plan, jax.devices())
         return self._executables[key]
@@ -176,7 +177,7 @@ class ParallelizedStep:
         """A step that runs `plan` (e.g. one loaded from JSON) instead of planning; it is
         checked against the cluster, program and argument shapes on the first call."""
         return ParallelizedStep(self.fn, self.method, self.cluster, self.batch_argnums, plan,
-                                self.compression, self.on_nonfinite)
+                                self.compression, self.on_nonfinite, self.compression_seed)
 
     def __call__(self, *args):
         exe = self.executable(*args)
@@ -209,7 +210,7 @@ class ParallelizedStep:
 
 def parallelize(fn: Callable | None = None, *, method: Method | None = None,
                 cluster: Cluster | None = None, batch_argnums: Sequence[int] | None = None,
-                compression=None, on_nonfinite: str = "raise"):
+                compression=None, on_nonfinite: str = "raise", compression_seed: int = 0):
     """Parallelizes a train step.
 
     Args:
@@ -226,6 +227,8 @@ def parallelize(fn: Callable | None = None, *, method: Method | None = None,
       on_nonfinite: with compression, a NaN or Inf gradient raises
         `NonFiniteGradientError` ("raise") or skips the update with a warning ("skip");
         either way the parameters and the compressor state stay as they were.
+      compression_seed: seeds the compressors' random choices (random-k positions,
+        stochastic rounding, PowerSGD's first Q, DGC's threshold sample).
 
     Returns:
       A `ParallelizedStep`; usable as a decorator with or without arguments.
@@ -233,8 +236,8 @@ def parallelize(fn: Callable | None = None, *, method: Method | None = None,
     method = Auto() if method is None else method
 
     def wrap(f):
-        return ParallelizedStep(f, method, cluster, batch_argnums,
-                                compression=compression, on_nonfinite=on_nonfinite)
+        return ParallelizedStep(f, method, cluster, batch_argnums, compression=compression,
+                                on_nonfinite=on_nonfinite, compression_seed=compression_seed)
     return wrap if fn is None else wrap(fn)
 
 

@@ -92,8 +92,8 @@ class _Exchange(GradientHook):
         for i, g in enumerate(leaves):
             keys = (jax.random.fold_in(self.shared_key, i), jax.random.fold_in(worker_key, i),
                     jax.random.fold_in(node_key, i))
-            delayed = o.delay and state["sent"][i] is not None
-            outgoing = state["sent"][i][0] if delayed else g
+            # Delayed averaging sends the previous step's gradient (module docstring).
+            outgoing = state["sent"][i][0] if o.delay else g
             total, st = o.exchange_leaf(outgoing, state["exchange"][i], self.phase, *keys)
             exchanged.append(total * o.loss_scale)
             states.append(st)
@@ -151,8 +151,10 @@ class CompressedExecutable:
 
     def exchange_leaf(self, g, state, phase, shared_key, worker_key, node_key):
         m = self.method
-        if self.num_nodes == 1:     # over both axes: "node" has size 1, but is an axis
-            return m.reduce(g, state, axis_name=WORKERS, num_workers=self.local, phase=phase,
+        if self.num_nodes == 1 or self.local == 1:
+            # Flat: over both axes, one of which has size 1 (an axis all the same).
+            return m.reduce(g, state, axis_name=WORKERS,
+                            num_workers=self.num_nodes * self.local, phase=phase,
                             shared_key=shared_key, worker_key=worker_key)
         if self.exchange_shape(g.shape) != tuple(g.shape):
             shard = jax.lax.psum_scatter(g, "local", scatter_dimension=0, tiled=True)
@@ -320,12 +322,14 @@ class CompressedExecutable:
         try:
             outs, new_state, bad = program(self._state, shared_key, *placed)
         except ValueError as e:
-            if "out_specs" in str(e) or "vary" in str(e):
+            if "out_specs[0][" in str(e):       # a result of the user's step differs per worker
                 raise ValueError(
                     "with gradient compression the step runs once per worker on its share "
                     "of the batch; every result must come from the loss al.value_and_grad "
                     "returns, the parameters or the optimizer state (a result computed from "
-                    f"the batch outside the gradient call cannot be combined): {e}") from None
+                    "the batch outside the gradient call cannot be combined). If every result "
+                    "does, this is a bug in alpa_lite: please report it with this message. "
+                    f"JAX said: {e}") from None
             raise
         bad = np.asarray(bad)
         if bad.any():

@@ -22,10 +22,17 @@ from alpa_lite.plan import Plan
 from _reference import STEPS, reference_run
 
 
-def two_nodes() -> al.Cluster:
+def nodes(n: int = 2) -> al.Cluster:
+    """The 8 local devices described as `n` nodes."""
     local = al.Cluster.local()
-    return dataclasses.replace(local, name="local-2x4", num_nodes=2, devices_per_node=4,
-                               inter_node=local.intra_node)
+    if n == 1:
+        return local
+    return dataclasses.replace(local, name=f"local-{n}x{8 // n}", num_nodes=n,
+                               devices_per_node=8 // n, inter_node=local.intra_node)
+
+
+def two_nodes() -> al.Cluster:
+    return nodes(2)
 
 
 def mlp_case(hidden=32, batch=64, tx=None):
@@ -57,16 +64,17 @@ def run(step, args, n):
     return p, s, losses
 
 
-@pytest.mark.parametrize("cluster", [None, "2x4"])
+@pytest.mark.parametrize("num_nodes", [1, 2, 8])
 @pytest.mark.parametrize("example", ["gpt", "mlp"])
-def test_exact_exchange_matches_jit(example, cluster):
-    """Dense() through the per-worker runtime equals the undecorated step (rtol 1e-5)."""
+def test_exact_exchange_matches_jit(example, num_nodes):
+    """Dense() through the per-worker runtime equals the undecorated step (rtol 1e-5), on
+    one node, two nodes of four (hierarchical) and eight nodes of one."""
     step_fn, args, ref_losses, ref_params = reference_run(example)
-    cl = two_nodes() if cluster else None
+    cl = nodes(num_nodes)
     step = al.parallelize(step_fn, method=al.DataParallel(), cluster=cl, compression=C.Dense())
     params, _, losses = run(step, args, STEPS)
     plan = step.plan(*args, cluster=cl)
-    assert plan.compression.hierarchical == bool(cluster)
+    assert plan.compression.hierarchical == (num_nodes == 2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
@@ -245,3 +253,17 @@ def test_bad_compression_input_is_refused():
     aux = al.parallelize(with_aux, method=al.DataParallel(), compression=C.Dense())
     with pytest.raises((NotImplementedError, al.PlanningError), match="has_aux"):
         aux(*args)
+
+
+def test_auto_method_with_auto_compression_runs_exactly():
+    """Auto() with compression="auto" (no lossy method allowed) plans either the best
+    uncompressed layout or data parallelism with the exact all-reduce; both equal jit."""
+    step_fn, args = mlp_case()
+    step = al.parallelize(step_fn, method=al.Auto(), compression="auto")
+    plan = step.plan(*args)
+    assert plan.compression is None or plan.compression.description == "none (all-reduce)"
+    params, _, losses = run(step, args, 3)
+    ref_params, _, ref_losses = run(jax.jit(step_fn), args, 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
