@@ -113,11 +113,12 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
         sync = gradient_sync(cluster, leaves, exchange, dtype)
         memory = dp_plan.peak_memory_bytes + state_bytes(option, leaves, cluster)
         rows.append((option, sync, step_time(compute, sync, delay), memory <= budget))
-    fitting = [r for r in rows if r[3]]
-    option, sync, step, fits = min(fitting or rows, key=lambda r: r[2])
-    if isinstance(compression, C.AutoCompression) and rows[0][3] and \
-            rows[0][2] < compression.min_speedup * step:
-        option, sync, step, fits = rows[0]      # not worth a lossy method (AutoCompression)
+    pool = [r for r in rows if r[3]] or rows        # what fits, else everything
+    option, sync, step, fits = min(pool, key=lambda r: r[2])
+    dense_row = rows[0]
+    if isinstance(compression, C.AutoCompression) and dense_row in pool and \
+            dense_row[2] < compression.min_speedup * step:
+        option, sync, step, fits = dense_row    # not worth a lossy method (AutoCompression)
     if not fits:
         need = dp_plan.peak_memory_bytes + state_bytes(option, leaves, cluster)
         warnings.warn(

@@ -60,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="1.3B")
     ap.add_argument("--clusters", nargs="*", default=["4x8xH100", "8x8xV100", "geo-4"])
-    ap.add_argument("--batch", type=int, default=64, help="global batch (sequences)")
+    ap.add_argument("--batch", type=int, default=128, help="global batch (sequences)")
     ap.add_argument("--out", type=Path, default=_common.RESULTS_DIR / "compression_where.json")
     args = ap.parse_args()
     results, rows = [], []
