@@ -119,6 +119,18 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
     if isinstance(compression, C.AutoCompression) and dense_row in pool and \
             dense_row[2] < compression.min_speedup * step:
         option, sync, step, fits = dense_row    # not worth a lossy method (AutoCompression)
+    candidates = tuple((_label(o), float(t), bool(f)) for o, _, t, f in rows)
+    if isinstance(method, Auto) and isinstance(compression, C.AutoCompression):
+        try:
+            best = make_plan(traced, method, cluster, tensor_names=tensor_names)
+        except PlanningError:       # no uncompressed layout fits: data parallelism stays
+            best = None
+        if best is not None and best.step_time_s < step and \
+                best.peak_memory_bytes <= budget:
+            return dataclasses.replace(
+                best, stats=dataclasses.replace(
+                    best.stats, candidates=best.stats.candidates + tuple(
+                        (f"data parallel, {label}", t) for label, t, _ in candidates)))
     if not fits:
         need = dp_plan.peak_memory_bytes + state_bytes(option, leaves, cluster)
         warnings.warn(
@@ -126,14 +138,6 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
             f"(the whole model, its optimizer state and the exchange's state), above the "
             f"{budget / 2**30:.2f} GiB of cluster {cluster.name!r}: it will not run there. "
             "Use a smaller batch, al.Auto() without compression, or pipelining", stacklevel=3)
-    candidates = tuple((_label(o), float(t), bool(f)) for o, _, t, f in rows)
-    if isinstance(method, Auto) and isinstance(compression, C.AutoCompression):
-        best = make_plan(traced, method, cluster, tensor_names=tensor_names)
-        if best.step_time_s < step and best.peak_memory_bytes <= budget:
-            return dataclasses.replace(
-                best, stats=dataclasses.replace(
-                    best.stats, candidates=best.stats.candidates + tuple(
-                        (f"data parallel, {label}", t) for label, t, _ in candidates)))
     axis, workers, hierarchical = exchange_axis(cluster)
     delay, exchange = _split(option)
     spec = CompressionSpec(
