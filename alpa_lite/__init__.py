@@ -10,6 +10,8 @@
 
 from alpa_lite.api import ParallelizedStep as ParallelizedStep
 from alpa_lite.api import parallelize as parallelize
+from alpa_lite.compare import CompareRow as CompareRow
+from alpa_lite.compare import compare as compare
 from alpa_lite.cost_models.cluster import Cluster as Cluster
 from alpa_lite.errors import NonFiniteGradientError as NonFiniteGradientError
 from alpa_lite.errors import PlanMismatchError as PlanMismatchError
@@ -23,7 +25,7 @@ from alpa_lite.methods import Manual as Manual
 from alpa_lite.plan import Plan as Plan
 
 __all__ = [
-    "Auto", "Cluster", "DataParallel", "Manual", "NonFiniteGradientError", "ParallelizedStep",
-    "Plan", "PlanMismatchError", "PlanningError", "grad", "mark_layer_boundary", "parallelize",
-    "value_and_grad",
+    "Auto", "Cluster", "CompareRow", "DataParallel", "Manual", "NonFiniteGradientError",
+    "ParallelizedStep", "Plan", "PlanMismatchError", "PlanningError", "compare", "grad",
+    "mark_layer_boundary", "parallelize", "value_and_grad",
 ]

@@ -29,6 +29,7 @@ from alpa_lite.pipeline_program import StepParts, split_step
 from alpa_lite.pipeline_runtime import PipelineExecutable
 from alpa_lite.plan import Plan
 from alpa_lite.planner import make_plan, replace_stats
+from alpa_lite.progress import TRACE, Progress, report
 from alpa_lite.runtime import Executable
 from alpa_lite.tracing import TracedStep, trace
 
@@ -109,15 +110,19 @@ class ParallelizedStep:
                                           self._micro_batches())
         return self._parts[key]
 
-    def plan(self, *args, cluster: Cluster | None = None) -> Plan:
+    def plan(self, *args, cluster: Cluster | None = None,
+             progress: Progress | None = None) -> Plan:
         """Plans the step for these arguments on `cluster` (default: the step's cluster,
-        else the local devices). Arguments may be `jax.ShapeDtypeStruct`s."""
+        else the local devices). Arguments may be `jax.ShapeDtypeStruct`s. `progress`, if
+        given, hears of each planning phase (`alpa_lite.progress`)."""
         cluster = cluster or self.cluster or Cluster.local()
         t0 = time.perf_counter()
+        report(progress, TRACE, 0, 1)
         # A pipelined step is traced with its gradient call captured; the rest whole.
         pipelined = self._micro_batches() is not None
         traced = self.parts(*args).outer if pipelined else self.trace(*args)
         trace_s = time.perf_counter() - t0
+        report(progress, TRACE, 1, 1)
         if self.fixed_plan is not None:
             self.fixed_plan.check_matches(cluster.fingerprint(), traced.fingerprint,
                                           traced.input_avals)
@@ -127,7 +132,8 @@ class ParallelizedStep:
             names = {t.id: t.name for t in traced.graph.tensors if t.role is not Role.ACTIVATION}
             if pipelined:
                 plan = make_pipeline_plan(self.parts(*args), self.method, cluster,
-                                          traced.fingerprint, traced.input_avals, names)
+                                          traced.fingerprint, traced.input_avals, names,
+                                          progress=progress)
             elif self.compression is not None:
                 # Workers are to the batch what micro-batches are: the same check proves
                 # the loss combines exactly (a mean or a sum over examples).
@@ -142,7 +148,8 @@ class ParallelizedStep:
                 plan = make_compressed_plan(traced, self.method, cluster, self.compression,
                                             workers.loss_scale, names)
             else:
-                plan = make_plan(traced, self.method, cluster, tensor_names=names)
+                plan = make_plan(traced, self.method, cluster, tensor_names=names,
+                                 progress=progress)
             self._plans[key] = replace_stats(plan, trace_s=trace_s)
         return self._plans[key]
 
@@ -172,6 +179,17 @@ class ParallelizedStep:
             else:
                 self._executables[key] = Executable(self.trace(*args), plan, jax.devices())
         return self._executables[key]
+
+    def with_method(self, method: Method) -> "ParallelizedStep":
+        """The same step with another method, sharing this step's traces (tracing a large
+        model takes seconds; `alpa_lite.compare` plans one step many ways)."""
+        other = ParallelizedStep(self.fn, method, self.cluster, self.batch_argnums,
+                                 compression=self.compression, on_nonfinite=self.on_nonfinite)
+        # The caches are keyed by argument signature (and micro-batch count), not by
+        # method, so the dicts themselves are shared.
+        other._traces = self._traces
+        other._parts = self._parts
+        return other
 
     def with_plan(self, plan: Plan) -> "ParallelizedStep":
         """A step that runs `plan` (e.g. one loaded from JSON) instead of planning; it is
@@ -203,9 +221,14 @@ class ParallelizedStep:
         """Restores a state `compression_state` returned (same plan and shapes)."""
         self._compressed().set_state(state)
 
-    def reset_compression_state(self) -> None:
-        """Zeroes every residual and queue and restarts warm-ups (step count 0)."""
-        self._compressed().reset_state()
+    def reset_compression_state(self, seed: int | None = None) -> None:
+        """Zeroes every residual and queue and restarts warm-ups (step count 0); `seed`
+        re-seeds the compressors' random choices (also before the first call)."""
+        if seed is not None:
+            self.compression_seed = int(seed)
+        for exe in self._executables.values():
+            if isinstance(exe, CompressedExecutable):
+                exe.reset_state(seed)
 
 
 def parallelize(fn: Callable | None = None, *, method: Method | None = None,

@@ -220,9 +220,11 @@ class CompressedExecutable:
         sharding = NamedSharding(self.mesh, P(WORKERS))
         self._state = jax.tree.map(lambda x: jax.device_put(x, sharding), state)
 
-    def reset_state(self) -> None:
+    def reset_state(self, seed: int | None = None) -> None:
         """Zeroes the state (residuals, queues) and the step count, and forgets the
-        per-worker copies of delayed averaging."""
+        per-worker copies of delayed averaging; `seed` re-seeds the random choices."""
+        if seed is not None:
+            self.base_key = jax.random.key(seed)
         if self._state is not None:
             self._state = jax.tree.map(jnp.zeros_like, self._state)
         self.step = 0

@@ -37,7 +37,8 @@ from alpa_lite.intra_op import MeshMemo, StageResult, plan_stage
 from alpa_lite.methods import Auto, Manual
 from alpa_lite.pipeline_program import (StageProgram, StepParts, forward_layers, stage_program,
                                         structure_hash)
-from alpa_lite.plan import PipelineSpec, Plan, PlanningStats, StagePlan
+from alpa_lite.plan import Alternative, Explanation, PipelineSpec, Plan, PlanningStats, StagePlan
+from alpa_lite.progress import CLUSTER, DP, ILPS, Progress, report
 from alpa_lite.planner import _manual_pins, _solver, batch_dims
 from alpa_lite.op_rules import DimLabels, enumerate_assignments
 from alpa_lite.sharding import LogicalMesh, TensorSpec, itemsize
@@ -59,8 +60,11 @@ class StageCost:
 
 class _Planner:
     def __init__(self, parts: StepParts, cluster: Cluster, solver, time_limit_s: float,
-                 names: Mapping[int, str]):
+                 names: Mapping[int, str], progress: Progress | None = None):
         self.parts = parts
+        self.progress = progress
+        self.queued = 0         # intra-op problems asked for, and those done (for progress)
+        self.done = 0
         self.cluster = cluster
         self.solver = solver
         self.time_limit_s = time_limit_s
@@ -122,6 +126,7 @@ class _Planner:
         on where it starts, so one plan serves every offset (its device list is moved)."""
         key = (prog.structure, mesh.shape, mesh.axis_names, manual, lean)
         if key not in self.costs:
+            self._queue(1)
             self._compute(key, prog, mesh, manual, lean)
         cost = self.costs[key]
         if isinstance(cost, PlanningError):
@@ -138,6 +143,7 @@ class _Planner:
             key = (prog.structure, mesh.shape, mesh.axis_names, manual, lean)
             if key not in self.costs:
                 todo.setdefault(key, (key, prog, mesh, manual, lean))
+        self._queue(len(todo))
         workers = min(len(todo), os.cpu_count() or 1)
         if workers <= 1:
             for job in todo.values():
@@ -147,15 +153,28 @@ class _Planner:
             for f in [pool.submit(self._compute, *job) for job in todo.values()]:
                 f.result()
 
+    def _queue(self, n: int) -> None:
+        if n:
+            with self._lock:
+                self.queued += n
+                done, total = self.done, self.queued
+            report(self.progress, ILPS, done, total)
+
     def _compute(self, key, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
                  lean: bool) -> None:
         try:
             self.costs[key] = self._plan(prog, mesh, manual, lean)
         except PlanningError as e:
             self.costs[key] = e
+        with self._lock:
+            self.done += 1
+            done, total = self.done, self.queued
+        report(self.progress, ILPS, done, total)
 
-    def _plan(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
-              lean: bool) -> StageCost:
+    def build(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+              lean: bool, solve: bool = True):
+        """The intra-op problem of a range on a logical mesh, as `cost` plans it: solved
+        (`StageResult`), or with `solve=False` built only (`BuiltStage`, for explain)."""
         fb = prog.fb.graph
         pin = node_pin = None
         if manual is not None:
@@ -165,10 +184,15 @@ class _Planner:
         with self._lock:
             memo = self.memos.setdefault((mesh.shape, mesh.axis_names),
                                          MeshMemo.for_mesh(mesh, self.cluster))
-        res = plan_stage(fb, mesh, self.cluster, pin=pin, node_pin=node_pin,
-                         solver=self.solver, time_limit_s=self.time_limit_s,
-                         tensor_names=self.input_names(prog),
-                         param_memory_factor=2.0 + self.opt_ratio, memo=memo)
+        return plan_stage(fb, mesh, self.cluster, pin=pin, node_pin=node_pin,
+                          solver=self.solver, time_limit_s=self.time_limit_s,
+                          tensor_names=self.input_names(prog),
+                          param_memory_factor=2.0 + self.opt_ratio, memo=memo, solve=solve)
+
+    def _plan(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+              lean: bool) -> StageCost:
+        fb = prog.fb.graph
+        res = self.build(prog, mesh, manual, lean)
         with self._lock:
             self.ilps += 1
             self.build_s += res.build_s
@@ -282,23 +306,28 @@ def _logical_shapes(sub: SubmeshShape) -> list[tuple[int, int]]:
 
 
 def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_fingerprint: str,
-                       input_signature, tensor_names: Mapping[int, str] | None = None) -> Plan:
-    """Plans a pipelined step (module docstring)."""
+                       input_signature, tensor_names: Mapping[int, str] | None = None,
+                       progress: Progress | None = None) -> Plan:
+    """Plans a pipelined step (module docstring). `progress` hears of the layer clustering,
+    each intra-op problem solved and the stage DP (`alpa_lite.progress`)."""
     fwd = parts.forward
     n_nodes = len(fwd.graph.nodes)
     m = parts.num_micro_batches
     names = _forward_names(parts, tensor_names or {})
     solver = _solver(method.solver)
-    planner = _Planner(parts, cluster, solver, method.time_limit_s, names)
+    planner = _Planner(parts, cluster, solver, method.time_limit_s, names, progress)
+    alternatives: list[Alternative] = []
     if isinstance(method, Manual):
         pp = method.pp
         if method.num_devices != cluster.num_devices:
             raise ValueError(f"{method!r}: dp x tp x pp = {method.num_devices} but the cluster "
                              f"{cluster.name!r} has {cluster.num_devices} devices")
+        report(progress, CLUSTER, 0, 1)
         if method.layer_ranges is None or fwd.boundaries:
             starts = forward_layers(fwd, min_layers=pp)
         else:   # the ranges say how many layers to cluster into
             starts = forward_layers(fwd, num_layers=method.layer_ranges[-1][1] + 1)
+        report(progress, CLUSTER, 1, 1)
         L = len(starts)
         if pp > L:
             raise PlanningError(f"pp={pp} stages but the loss function has only {L} layers; "
@@ -315,11 +344,13 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
             chosen.append(((a, b), mesh, method.remat, False))
         dp_stats = None
     elif isinstance(method, Auto):
+        report(progress, CLUSTER, 0, 1)
         starts = forward_layers(fwd, num_layers=method.num_layers)
+        report(progress, CLUSTER, 1, 1)
         L = len(starts)
         bounds = _layer_node_ranges(starts, n_nodes)
-        chosen, dp_stats = _search(planner, method, cluster, bounds, m)
-        chosen = _polish(planner, method, cluster, bounds, chosen, m)
+        chosen, dp_stats = _search(planner, method, cluster, bounds, m, alternatives)
+        chosen = _polish(planner, method, cluster, bounds, chosen, m, alternatives)
     else:
         raise TypeError(f"pipelined plans need al.Auto or al.Manual, got {method!r}")
     stages = []
@@ -383,7 +414,8 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
     return Plan(method=repr(method), cluster_name=cluster.name,
                 cluster_fingerprint=cluster.fingerprint(), program_fingerprint=traced_fingerprint,
                 input_signature=input_signature, stages=tuple(stages),
-                unsharded_primitives=unsharded, pipeline=spec, stats=stats)
+                unsharded_primitives=unsharded, pipeline=spec, stats=stats,
+                explanation=Explanation(tuple(alternatives)) if alternatives else None)
 
 
 def _forward_names(parts: StepParts, outer_names: Mapping[int, str]) -> dict[int, str]:
@@ -409,10 +441,13 @@ def _even_split(L: int, pp: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _polish(planner: _Planner, method: Auto, cluster: Cluster, bounds, chosen, m: int):
+def _polish(planner: _Planner, method: Auto, cluster: Cluster, bounds, chosen, m: int,
+            alternatives: list[Alternative] | None = None):
     """The DP costs a stage as the sum of its layers; each chosen stage is now planned whole
     on the logical meshes of its submesh (fastest and memory-lean, with its remat choice)
     and keeps the fastest that fits, so the final mesh choice is made on whole stages.
+    Each whole-stage plan weighed is appended to `alternatives` (kind "mesh"), for
+    `alpa-lite explain`.
 
     Meshes are tried in the order of their layer sums. A whole stage costs at least the sum
     of its layers planned alone (it adds the resharding between layers), so once a whole
@@ -442,19 +477,27 @@ def _polish(planner: _Planner, method: Auto, cluster: Cluster, bounds, chosen, m
     for s, (((a, b), mesh, remat, lean), (prog, cands)) in enumerate(zip(chosen, plans)):
         in_flight = min(S - s, m) if method.schedule == "1f1b" else m
         best = None
+        weighed = []
         for layer_sum, cand, lean_ in cands:
             if best is not None and not best[0][0] and layer_sum >= best[0][1]:
                 break
+            label = f"mesh {cand.shape}{' lean' if lean_ else ''}{' remat' if remat else ''}"
             try:
                 c = planner.cost(prog, cand, None, lean_)
             except PlanningError:
+                weighed.append(Alternative("mesh", s, f"{label}: no plan", 0.0, 0.0, False))
                 continue
             act = c.input_bytes if remat else c.act_bytes
             memory = c.param_bytes + act * in_flight
             t = c.forward_s * (2 if remat else 1) + c.backward_s
             key = (memory > budget, t)
+            weighed.append(Alternative("mesh", s, label, t, memory, memory <= budget))
             if best is None or key < best[0]:
-                best = (key, ((a, b), cand, remat, lean_))
+                best = (key, ((a, b), cand, remat, lean_), len(weighed) - 1)
+        if alternatives is not None:
+            pick = best[2] if best is not None else -1
+            alternatives.extend(dataclasses.replace(w, chosen=True) if i == pick else w
+                                for i, w in enumerate(weighed))
         out.append(best[1] if best is not None else ((a, b), mesh, remat, lean))
     return out
 
@@ -471,8 +514,10 @@ def _layer_options(planner: _Planner, prog: StageProgram, mesh: LogicalMesh):
         return fast, fast
 
 
-def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
-    """Alpa's inter-op search: per-layer intra-op costs, summed per range, into the DP."""
+def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int,
+            alternatives: list[Alternative] | None = None):
+    """Alpa's inter-op search: per-layer intra-op costs, summed per range, into the DP.
+    What the DP weighed against its plan goes to `alternatives` (`_dp_alternatives`)."""
     N, M = cluster.num_nodes, cluster.devices_per_node
     shapes = submesh_shapes(N, M)
     L = len(bounds)
@@ -519,11 +564,16 @@ def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
                 out.append(StageOption(2 * f + bw, kept, inp, label=f"{shape}{tag} remat"))
         return out
 
+    report(planner.progress, DP, 0, 1)
     try:
         plan, stats = solve_stage_dp(L, N, M, m, options, budget, max_stages=method.max_stages)
     except NoFeasiblePipelineError as e:
         raise PlanningError(f"no pipeline plan fits in {budget / 2**30:.1f} GiB per device: "
                             f"{e}") from None
+    report(planner.progress, DP, 1, 1)
+    if alternatives is not None:
+        alternatives.extend(_dp_alternatives(plan, shapes, options, budget, m, L,
+                                             method.max_stages))
     sizes = [st.submesh.num_devices for st in plan.stages]
     offsets = _place(cluster, sizes)
     chosen = []
@@ -533,3 +583,66 @@ def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int):
         chosen.append(((st.start, st.end), LogicalMesh(shape, ("x", "y"), device_offset=off),
                        label.endswith("remat"), " lean" in label))
     return chosen, stats
+
+
+def _dp_alternatives(plan, shapes, options, budget: float, m: int, L: int,
+                     max_stages: int | None) -> list[Alternative]:
+    """What the stage DP's plan beat, costed with the DP's own stage options (a few
+    hundred bytes in the plan, so `alpa-lite explain` needs no new search):
+
+    - "option": per chosen stage, the other options of its layers on its submesh (other
+      logical meshes, memory-lean or not, remat or not), the fastest first;
+    - "cut": the pipeline with one stage boundary moved one layer either way;
+    - "stages": S equal stages on equal submeshes with the layers split evenly (the
+      Megatron-style uniform pipeline), for every S the devices allow, and the DP's own
+      plan ("chosen").
+    Pipelines are costed as the DP costs them: each stage takes its fastest option that
+    fits its micro-batches in flight (S - s under 1F1B), latency = sum + (m - 1) x max.
+    """
+    S = plan.num_stages
+    out = [Alternative("stages", -1, f"chosen: {S} stage(s)", plan.latency_s, 0.0, True,
+                       chosen=True)]
+
+    def fastest(start, end, sub, in_flight):
+        fits = [o for o in options(start, end, sub)
+                if o.param_bytes + o.act_bytes * in_flight <= budget]
+        return min(fits, key=lambda o: o.latency_s) if fits else None
+
+    def latency(stages):   # [(start, end, submesh)] -> the DP's latency, None if one cannot fit
+        n = len(stages)
+        picked = [fastest(a, b, sub, n - i) for i, (a, b, sub) in enumerate(stages)]
+        if any(o is None for o in picked):
+            return None
+        t = [o.latency_s for o in picked]
+        return sum(t) + (m - 1) * max(t)
+
+    for s, st in enumerate(plan.stages):
+        opts = sorted(options(st.start, st.end, st.submesh), key=lambda o: o.latency_s)
+        shown = [o for o in opts if o != st.option][:5]
+        for o in sorted([st.option] + shown, key=lambda o: o.latency_s):
+            memory = o.param_bytes + o.act_bytes * (S - s)
+            out.append(Alternative("option", s, f"mesh {o.label} on submesh {st.submesh}",
+                                   o.latency_s,
+                                   memory, memory <= budget, chosen=o == st.option))
+    ranges = [(st.start, st.end, st.submesh) for st in plan.stages]
+    for s in range(S - 1):
+        (a, b, sa), (_, d, sb) = ranges[s], ranges[s + 1]
+        for shift in (-1, 1):
+            if not a <= b + shift < d:
+                continue
+            moved = list(ranges)
+            moved[s], moved[s + 1] = (a, b + shift, sa), (b + shift + 1, d, sb)
+            t = latency(moved)
+            out.append(Alternative("cut", s, f"stage {s} ends at layer {b + shift} "
+                                   f"(chosen: {b})", t if t is not None else 0.0, 0.0,
+                                   t is not None))
+    devices = shapes[-1].num_devices   # the last submesh shape is the whole cluster
+    for n in range(1, min(L, devices, max_stages or L) + 1):
+        subs = [sh for sh in shapes if sh.num_devices * n == devices]
+        if not subs:
+            continue
+        cuts = [p * L // n for p in range(n + 1)]
+        t = latency([(cuts[p], cuts[p + 1] - 1, subs[0]) for p in range(n)])
+        out.append(Alternative("stages", -1, f"{n} equal stage(s) of {subs[0]}",
+                               t if t is not None else 0.0, 0.0, t is not None))
+    return out

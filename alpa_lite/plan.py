@@ -2,8 +2,10 @@
 
 A `Plan` is frozen and round-trips through JSON byte for byte (planning statistics such as
 solver wall time are kept beside it in `stats`, which is not serialised, so the same inputs
-always give the same JSON). Tensor ids in a stage refer to the traced program whose
-fingerprint the plan carries; the runtime refuses a plan whose fingerprint, argument
+always give the same JSON). `explanation` is serialised: the few alternatives the planner
+weighed against its choice (for `alpa-lite explain`) and, from the CLI, how to rebuild the
+step; it is absent (no JSON key) where there is nothing to record. Tensor ids in a stage
+refer to the traced program whose fingerprint the plan carries; the runtime refuses a plan whose fingerprint, argument
 signature or cluster differ from what it is given.
 """
 
@@ -115,6 +117,40 @@ class CompressionSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class Alternative:
+    """One option the planner weighed against its choice (`alpa-lite explain` prints them).
+
+    `kind` says what was compared and in which units `time_s` is:
+      "mesh": a logical mesh planned whole (a single-stage plan's mesh, or stage `stage`'s
+        mesh in the final re-plan of a pipeline); `time_s` is that stage's estimate (one
+        micro-batch forward + backward, recomputation included).
+      "option": an intra-op option (logical mesh, memory-lean or not, remat or not) of stage
+        `stage`'s layers on its submesh, as the stage DP saw it (a sum over its layers);
+        `time_s` is that stage's latency.
+      "cut": the stage DP's pipeline with the boundary after stage `stage` moved one layer;
+      "stages": the best pipeline of `label`'s equal stages on equal submeshes (layers split
+        evenly);  for both, and for the "chosen" DP plan, `time_s` is the stage DP's
+        pipeline latency: sum of stage latencies + (micro-batches - 1) x the slowest.
+    """
+    kind: str
+    stage: int              # the stage it would replace; -1: the whole plan
+    label: str
+    time_s: float
+    memory_bytes: float     # per device (0 where not known)
+    fits: bool              # within the per-device memory budget
+    chosen: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What `alpa-lite explain` needs from a plan without planning again."""
+    alternatives: tuple[Alternative, ...] = ()
+    # How the step was built, as the CLI wrote it (e.g. ("target", "gpt-2.6b"),
+    # ("batch_size", "8")), so `explain --op` can rebuild the stage's intra-op problem.
+    source: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanningStats:
     """How the plan was found (not serialised: it varies run to run)."""
     trace_s: float = 0.0
@@ -147,6 +183,7 @@ class Plan:
     pipeline: PipelineSpec | None = None
     compression: CompressionSpec | None = None
     stats: PlanningStats = dataclasses.field(default_factory=PlanningStats, compare=False)
+    explanation: Explanation | None = None
 
     @property
     def compute_s(self) -> float:
@@ -294,8 +331,30 @@ def _pipeline_from_obj(o) -> PipelineSpec | None:
         apply_s=float(o["apply_s"]))
 
 
+def _explanation_to_obj(e: Explanation) -> dict[str, Any]:
+    return {"alternatives": [dataclasses.asdict(a) | {"time_s": float(a.time_s),
+                                                      "memory_bytes": float(a.memory_bytes)}
+                             for a in e.alternatives],
+            "source": [[k, v] for k, v in e.source]}
+
+
+def _explanation_from_obj(o) -> Explanation:
+    fields = {f.name for f in dataclasses.fields(Alternative)}
+    alts = []
+    for a in o["alternatives"]:
+        if set(a) != fields:
+            raise ValueError(f"explanation: an alternative has keys {sorted(a)}, expected "
+                             f"{sorted(fields)}")
+        alts.append(Alternative(kind=str(a["kind"]), stage=int(a["stage"]),
+                                label=str(a["label"]), time_s=float(a["time_s"]),
+                                memory_bytes=float(a["memory_bytes"]), fits=bool(a["fits"]),
+                                chosen=bool(a["chosen"])))
+    return Explanation(alternatives=tuple(alts),
+                       source=tuple((str(k), str(v)) for k, v in o["source"]))
+
+
 def _plan_to_obj(p: Plan) -> dict[str, Any]:
-    return {
+    obj = {
         "format": PLAN_FORMAT,
         "method": p.method,
         "cluster_name": p.cluster_name,
@@ -309,6 +368,10 @@ def _plan_to_obj(p: Plan) -> dict[str, Any]:
         dataclasses.asdict(p.compression) | {"candidates": [list(c) for c in
                                                              p.compression.candidates]},
     }
+    # Written only when present, so plans without one keep the JSON they always had.
+    if p.explanation is not None:
+        obj["explanation"] = _explanation_to_obj(p.explanation)
+    return obj
 
 
 def _compression_from_obj(o) -> CompressionSpec | None:
@@ -326,7 +389,7 @@ def _plan_from_obj(o: dict[str, Any]) -> Plan:
     expected = {"format", "method", "cluster_name", "cluster_fingerprint",
                 "program_fingerprint", "input_signature", "stages", "unsharded_primitives",
                 "pipeline", "compression"}
-    if set(o) != expected:
+    if set(o) - {"explanation"} != expected:
         raise ValueError(f"unexpected keys {sorted(set(o) - expected)}, missing "
                          f"{sorted(expected - set(o))}")
     return Plan(
@@ -337,4 +400,5 @@ def _plan_from_obj(o: dict[str, Any]) -> Plan:
         stages=tuple(_stage_from_obj(s) for s in o["stages"]),
         unsharded_primitives=tuple(o["unsharded_primitives"]),
         pipeline=_pipeline_from_obj(o["pipeline"]),
-        compression=_compression_from_obj(o["compression"]))
+        compression=_compression_from_obj(o["compression"]),
+        explanation=_explanation_from_obj(o["explanation"]) if "explanation" in o else None)

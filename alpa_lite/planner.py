@@ -23,7 +23,8 @@ from alpa_lite.graph import OpGraph, Role, Tensor
 from alpa_lite.intra_op import StageResult, plan_stage
 from alpa_lite.methods import Auto, DataParallel, Manual, Method, SolverChoice
 from alpa_lite.op_rules import dim_labels
-from alpa_lite.plan import Plan, PlanningStats
+from alpa_lite.plan import Alternative, Explanation, Plan, PlanningStats
+from alpa_lite.progress import ILPS, Progress, report
 from alpa_lite.sharding import LogicalMesh, TensorSpec
 from alpa_lite.solvers.sharding_ilp import Solver
 from alpa_lite.tracing import TracedStep
@@ -227,8 +228,11 @@ def _check_batch(graph: OpGraph, dp: int) -> None:
 
 
 def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
-              tensor_names: Mapping[int, str] | None = None) -> Plan:
-    """Plans `traced` for `cluster` with `method`. See the module docstring."""
+              tensor_names: Mapping[int, str] | None = None,
+              progress: Progress | None = None) -> Plan:
+    """Plans `traced` for `cluster` with `method`. See the module docstring.
+
+    `progress` is told of each intra-op problem solved (`alpa_lite.progress`)."""
     graph = traced.graph
     n = cluster.num_devices
     if isinstance(method, DataParallel):
@@ -247,14 +251,17 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
         pin, node_pin = _manual_pins(graph, method_m.dp, method_m.tp,
                                      method_m.shard_optimizer_state,
                                      split_batch=isinstance(method, DataParallel))
+        report(progress, ILPS, 0, 1)
         res = plan_stage(graph, mesh, cluster, pin=pin, node_pin=node_pin,
                          memory_budget_bytes=None, solver=_solver(method_m.solver),
                          time_limit_s=method_m.time_limit_s, tensor_names=dict(tensor_names or {}))
         results.append((mesh, res))
+        report(progress, ILPS, 1, 1)
     elif isinstance(method_m, Auto):
         budget = method_m.memory_budget_bytes or cluster.device.memory_bytes
         shapes = method_m.mesh_shapes or auto_mesh_shapes(n)
-        for shape in shapes:
+        report(progress, ILPS, 0, len(shapes))
+        for i, shape in enumerate(shapes):
             if shape[0] * shape[1] != n:
                 raise ValueError(f"Auto(mesh_shapes=...) has {shape}, whose product is not "
                                  f"the {n} devices of cluster {cluster.name!r}")
@@ -266,8 +273,10 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
                                  tensor_names=dict(tensor_names or {}))
             except PlanningError as e:
                 failures.append(e)
+                report(progress, ILPS, i + 1, len(shapes))
                 continue
             results.append((mesh, res))
+            report(progress, ILPS, i + 1, len(shapes))
         if not results:
             raise PlanningError("no logical mesh gives a plan that fits: "
                                 + " | ".join(str(e) for e in failures))
@@ -285,11 +294,22 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
         ilp_nodes=best.ilp_nodes,
         ilp_variables=best.ilp_variables, ilp_constraints=best.ilp_constraints,
         candidates=tuple((f"{m.shape}", r.stage.total_s) for m, r in results))
+    explanation = None
+    if isinstance(method_m, Auto):
+        # For `alpa-lite explain`: every mesh tried, with its estimate (the ILP enforced
+        # the budget, so a mesh either has a plan that fits or none).
+        budget = method_m.memory_budget_bytes or cluster.device.memory_bytes
+        alts = [Alternative("mesh", 0, f"mesh {m.shape}", r.stage.total_s,
+                            r.stage.peak_memory_bytes, r.stage.peak_memory_bytes <= budget,
+                            chosen=r is best) for m, r in results]
+        alts += [Alternative("mesh", 0, f"mesh {tuple(shape)}: no plan fits", 0.0, 0.0, False)
+                 for shape in shapes if tuple(shape) not in {m.shape for m, _ in results}]
+        explanation = Explanation(alternatives=tuple(alts))
     return Plan(method=repr(method), cluster_name=cluster.name,
                 cluster_fingerprint=cluster.fingerprint(),
                 program_fingerprint=traced.fingerprint, input_signature=traced.input_avals,
                 stages=(best.stage,), unsharded_primitives=best.unsharded_primitives,
-                stats=stats)
+                stats=stats, explanation=explanation)
 
 
 def replace_stats(plan: Plan, **kw) -> Plan:

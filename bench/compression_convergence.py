@@ -21,7 +21,7 @@ with the same learning rate; DGC's sparsity warm-up covers the first 20% of the 
 
 Seeds: a seed sets the parameter initialisation and the batch order. One parallelized step
 is built per (model, method) and reused across seeds (it compiles once per argument
-signature, and once per DGC warm-up phase); between seeds `step.reset_compression_state()`
+signature, and once per DGC warm-up phase); between seeds `step.reset_compression_state(seed=...)`
 zeroes residuals and queues and restarts the step count. The runtime's own random keys
 (random-k positions, stochastic rounding, DGC's threshold sample, PowerSGD's first Q) come
 from a fixed key folded with the step number, so they repeat from seed to seed.
@@ -267,9 +267,10 @@ class ShardMapStep:
         self.step = 0
         self.compiled: dict[Any, Callable] = {}
 
-    def reset_compression_state(self):
+    def reset_compression_state(self, seed: int = 0):
         self.state = None
         self.step = 0
+        self.key = jax.random.key(seed)
 
     def _program(self, phase):
         comp, tx, loss_fn, n = self.comp, self.tx, self.loss_fn, WORKERS
@@ -364,17 +365,21 @@ def run_method(model: str, method: Method, harness: str, seeds: list[int], steps
         return row
     runs = []
     for i, seed in enumerate(seeds):
-        if i:
-            step.reset_compression_state()
+        step.reset_compression_state(seed=seed)     # the compressors' randomness too
         params = init(jax.random.key(seed))
         opt_state = tx.init(params)
         losses = []
+        diverged_at = None
         t_seed = time.perf_counter()
         try:
             for idx in batches(seed, TRAIN_SIZE, steps):
                 params, opt_state, loss = step(params, opt_state,
                                                (data["x_train"][idx], data["y_train"][idx]))
                 losses.append(float(loss))
+        except al.NonFiniteGradientError:
+            # Training diverged: the step refused the NaN gradients and changed nothing, so
+            # `params` are the last finite ones; they are what this run ends with.
+            diverged_at = len(losses)
         except Exception as e:  # noqa: BLE001
             row.update(error=f"seed {seed}, step {len(losses)}: {type(e).__name__}: {e}",
                        traceback=traceback.format_exc())
@@ -384,6 +389,8 @@ def run_method(model: str, method: Method, harness: str, seeds: list[int], steps
                             == data["y_test"])) * 100
         run = {"seed": seed, "test_accuracy": acc, "final_train_loss": float(np.mean(losses[-10:])),
                "wall_s": time.perf_counter() - t_seed}
+        if diverged_at is not None:
+            run["diverged_at_step"] = diverged_at
         if synchronous:
             run["replicas_equal"], run["replica_copies"] = replicas_equal(params)
         runs.append(run)
