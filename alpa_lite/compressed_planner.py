@@ -112,14 +112,14 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
         delay, exchange = _split(option)
         sync = gradient_sync(cluster, leaves, exchange, dtype)
         memory = dp_plan.peak_memory_bytes + state_bytes(option, leaves, cluster)
-        rows.append((option, sync, step_time(compute, sync, delay), memory <= budget))
-    pool = [r for r in rows if r[3]] or rows        # what fits, else everything
-    option, sync, step, fits = min(pool, key=lambda r: r[2])
+        rows.append((option, sync, step_time(compute, sync, delay), memory))
+    pool = [r for r in rows if r[3] <= budget] or rows     # what fits, else everything
+    option, sync, step, memory = min(pool, key=lambda r: r[2])
     dense_row = rows[0]
     if isinstance(compression, C.AutoCompression) and dense_row in pool and \
             dense_row[2] < compression.min_speedup * step:
-        option, sync, step, fits = dense_row    # not worth a lossy method (AutoCompression)
-    candidates = tuple((_label(o), float(t), bool(f)) for o, _, t, f in rows)
+        option, sync, step, memory = dense_row  # not worth a lossy method (AutoCompression)
+    candidates = tuple((_label(o), float(t), bool(m <= budget)) for o, _, t, m in rows)
     if isinstance(method, Auto) and isinstance(compression, C.AutoCompression):
         try:
             best = make_plan(traced, method, cluster, tensor_names=tensor_names)
@@ -131,10 +131,9 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
                 best, stats=dataclasses.replace(
                     best.stats, candidates=best.stats.candidates + tuple(
                         (f"data parallel, {label}", t) for label, t, _ in candidates)))
-    if not fits:
-        need = dp_plan.peak_memory_bytes + state_bytes(option, leaves, cluster)
+    if memory > budget:
         warnings.warn(
-            f"data parallelism with {_label(option)} needs {need / 2**30:.2f} GiB per device "
+            f"data parallelism with {_label(option)} needs {memory / 2**30:.2f} GiB per device "
             f"(the whole model, its optimizer state and the exchange's state), above the "
             f"{budget / 2**30:.2f} GiB of cluster {cluster.name!r}: it will not run there. "
             "Use a smaller batch, al.Auto() without compression, or pipelining", stacklevel=3)
@@ -148,7 +147,6 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
         dense_sync_s=dense.total_s, compute_s=compute, step_time_s=step,
         uncompressed_step_time_s=step_time(compute, dense), candidates=candidates)
     stage = dp_plan.stages[0]
-    memory = dp_plan.peak_memory_bytes + state_bytes(option, leaves, cluster)
     return dataclasses.replace(dp_plan, method=f"{method!r} + {option!r}",
                                stages=(dataclasses.replace(stage, peak_memory_bytes=memory),),
                                compression=spec)

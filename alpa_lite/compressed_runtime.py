@@ -140,6 +140,8 @@ class CompressedExecutable:
         self._returned: dict[int, Any] = {}         # delayed: input leaf -> what we returned
         ties = traced.graph.output_ties
         self.ties = {o: i for o, i in enumerate(ties) if i is not None}
+        # Delayed averaging keeps a copy per worker of every input a result replaces.
+        self.per_worker = frozenset(self.ties.values()) if self.delay else frozenset()
 
     # ---- the exchange of one leaf -----------------------------------------------------
 
@@ -242,10 +244,9 @@ class CompressedExecutable:
             if i in self.batch_argnums:
                 batch.update(range(pos, pos + c))
             pos += c
-        per_worker = set(self.ties.values()) if self.delay else set()
-        specs = [P(WORKERS) if (j in batch or j in per_worker) else P()
+        specs = [P(WORKERS) if (j in batch or j in self.per_worker) else P()
                  for j in range(len(leaves))]
-        return treedef, specs, batch, per_worker
+        return treedef, specs, batch, self.per_worker
 
     def _program(self, args, phase):
         treedef, in_specs, batch, per_worker = self._specs(args)
@@ -305,7 +306,7 @@ class CompressedExecutable:
             if j in self._replicas and self._returned.get(j) is x:
                 placed.append(self._replicas[j])
                 continue
-            if self.delay and spec == P(WORKERS) and j in set(self.ties.values()):
+            if j in self.per_worker:
                 x = jnp.broadcast_to(jnp.asarray(x)[None], (n,) + tuple(np.shape(x)))
             placed.append(jax.device_put(x, NamedSharding(self.mesh, spec)))
         return program, in_specs, placed

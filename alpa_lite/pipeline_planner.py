@@ -80,6 +80,7 @@ class _Planner:
         self.solve_s = 0.0
         self._lock = threading.Lock()
         self.memos: dict[tuple, MeshMemo] = {}
+        self.options: dict[tuple, tuple[StageCost, StageCost]] = {}   # `_layer_options`
 
     def program(self, start: int, stop: int) -> StageProgram:
         if (start, stop) not in self.programs:
@@ -504,14 +505,20 @@ def _polish(planner: _Planner, method: Auto, cluster: Cluster, bounds, chosen, m
 
 def _layer_options(planner: _Planner, prog: StageProgram, mesh: LogicalMesh):
     """A layer's fastest and memory-lean plans on `mesh` (the same plan where the fastest
-    already splits every parameter as finely as the mesh allows)."""
-    fast = planner.cost(prog, mesh, None)
-    if _params_finest(prog, fast, mesh):
-        return fast, fast
-    try:
-        return fast, planner.cost(prog, mesh, None, lean=True)
-    except PlanningError:
-        return fast, fast
+    already splits every parameter as finely as the mesh allows). For their costs only:
+    memoised per layer structure, so the sharding tables name the first such layer's
+    tensors."""
+    key = (prog.structure, mesh.shape, mesh.axis_names)
+    if key not in planner.options:
+        fast = planner.cost(prog, mesh, None)
+        lean = fast
+        if not _params_finest(prog, fast, mesh):
+            try:
+                lean = planner.cost(prog, mesh, None, lean=True)
+            except PlanningError:
+                pass
+        planner.options[key] = (fast, lean)
+    return planner.options[key]
 
 
 def _search(planner: _Planner, method: Auto, cluster: Cluster, bounds, m: int,

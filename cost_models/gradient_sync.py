@@ -96,12 +96,13 @@ def gradient_sync(cluster: Cluster, leaves: Sequence[GradientLeaf], exchange: An
         passes_bytes += exchange.memory_passes * numel * 4
         flops += exchange.flops(shape)
         if where == "inter" and local > 1:
-            nbytes = leaf.numel * leaf.itemsize
-            if shape != leaf.shape:       # reduce-scatter, then all-gather
-                intra += 2 * (local - 1) / local * nbytes / intra_link.bandwidth_bytes_per_s
+            # Reduce-scatter then all-gather, or an all-reduce of the whole leaf: the same
+            # ring bytes; they are separate phases for the latency below.
+            intra += (2 * (local - 1) / local * leaf.numel * leaf.itemsize
+                      / intra_link.bandwidth_bytes_per_s)
+            if shape != leaf.shape:
                 sharded_any = True
-            else:                          # all-reduce whole
-                intra += 2 * (local - 1) / local * nbytes / intra_link.bandwidth_bytes_per_s
+            else:
                 whole_any = True
     if sharded_any or whole_any:
         intra += 2 * (local - 1) * intra_link.latency_s * (sharded_any + whole_any)

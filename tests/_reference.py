@@ -22,9 +22,15 @@ def reference_run(example: str):
     batch = mod.make_batch(cfg, cfg.batch_size, jax.random.PRNGKey(1))
     opt_state = tx.init(params)
     step = mod.make_train_step(cfg, tx)
-    ref = jax.jit(step)
-    losses, p, s = [], params, opt_state
-    for _ in range(STEPS):
-        p, s, loss = ref(p, s, batch)
-        losses.append(float(loss))
+    p, _, losses = run_steps(jax.jit(step), (params, opt_state, batch))
     return step, (params, opt_state, batch), losses, p
+
+
+def run_steps(step, args, n: int = STEPS):
+    """`n` calls of `step(params, opt_state, batch)`; returns (params, opt_state, losses)."""
+    p, s, batch = args
+    losses = []
+    for _ in range(n):
+        p, s, loss = step(p, s, batch)
+        losses.append(float(loss))
+    return p, s, losses

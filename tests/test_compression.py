@@ -19,7 +19,7 @@ from alpa_lite import compression as C
 from alpa_lite.hlo import bytes_by_kind, collectives_in_hlo
 from alpa_lite.plan import Plan
 
-from _reference import STEPS, reference_run
+from _reference import STEPS, reference_run, run_steps as run
 
 
 def nodes(n: int = 2) -> al.Cluster:
@@ -53,15 +53,6 @@ def mlp_case(hidden=32, batch=64, tx=None):
          "w2": jax.random.normal(k2, (hidden, 4)) * 0.3}
     batch = (jax.random.normal(k3, (batch, 16)), jax.random.normal(k4, (batch, 4)))
     return step, (p, tx.init(p), batch)
-
-
-def run(step, args, n):
-    p, s, batch = args
-    losses = []
-    for _ in range(n):
-        p, s, loss = step(p, s, batch)
-        losses.append(float(loss))
-    return p, s, losses
 
 
 @pytest.mark.parametrize("num_nodes", [1, 2, 8])

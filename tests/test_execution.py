@@ -18,7 +18,7 @@ import pytest
 
 import alpa_lite as al
 from alpa_lite.hlo import bytes_by_kind, collectives_in_hlo
-from _reference import STEPS, reference_run  # tests/_reference.py
+from _reference import reference_run, run_steps  # tests/_reference.py
 
 EXAMPLES = ["mlp", "gpt", "moe", "wide_resnet", "flax_mlp"]
 METHODS = {
@@ -37,11 +37,7 @@ RTOL = {"wide_resnet": 1e-4}
 
 def _run(step_fn, args, method):
     step = al.parallelize(step_fn, method=method)
-    params, opt_state, batch = args
-    losses = []
-    for _ in range(STEPS):
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
+    params, _, losses = run_steps(step, args)
     return step, losses, params
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import alpa_lite as al
 from alpa_lite.errors import PlanningError
-from _reference import STEPS, reference_run  # tests/_reference.py
+from _reference import reference_run, run_steps  # tests/_reference.py
 
 # Wide-ResNet's batch norm turns float32 reduction-order differences of ~1e-7 into ~2e-5
 # over five steps (see test_execution.py), hence its looser tolerance.
@@ -44,10 +44,7 @@ def test_hybrid_plan_matches_jit(example, layout):
     devices = [d for st in plan.stages for d in st.devices]
     assert sorted(devices) == list(range(8))
     assert all(st.remat == method.remat for st in plan.stages)
-    losses, p, s = [], params, opt_state
-    for _ in range(STEPS):
-        p, s, loss = step(p, s, batch)
-        losses.append(float(loss))
+    p, s, losses = run_steps(step, (params, opt_state, batch))
     rtol = RTOL.get(example, 1e-5)
     np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
     for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(ref_params)):
@@ -61,10 +58,7 @@ def test_hybrid_plan_matches_jit(example, layout):
 def test_auto_pipeline_runs_and_matches_jit():
     step_fn, (params, opt_state, batch), ref_losses, ref_params = reference_run("gpt")
     step = al.parallelize(step_fn, method=al.Auto(num_micro_batches=2))
-    losses, p, s = [], params, opt_state
-    for _ in range(STEPS):
-        p, s, loss = step(p, s, batch)
-        losses.append(float(loss))
+    p, s, losses = run_steps(step, (params, opt_state, batch))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     plan = step.plan(params, opt_state, batch)
     assert plan.pipeline.num_micro_batches == 2
