@@ -8,6 +8,8 @@
         ...
 """
 
+from alpa_lite import checkpoint as checkpoint
+from alpa_lite import distributed as distributed
 from alpa_lite.api import ParallelizedStep as ParallelizedStep
 from alpa_lite.api import parallelize as parallelize
 from alpa_lite.compare import CompareRow as CompareRow
@@ -26,6 +28,6 @@ from alpa_lite.plan import Plan as Plan
 
 __all__ = [
     "Auto", "Cluster", "CompareRow", "DataParallel", "Manual", "NonFiniteGradientError",
-    "ParallelizedStep", "Plan", "PlanMismatchError", "PlanningError", "compare", "grad",
+    "ParallelizedStep", "Plan", "PlanMismatchError", "PlanningError", "checkpoint", "compare", "distributed", "grad",
     "mark_layer_boundary", "parallelize", "value_and_grad",
 ]

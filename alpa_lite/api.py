@@ -21,6 +21,7 @@ from alpa_lite import compression as C
 from alpa_lite.compressed_planner import make_compressed_plan
 from alpa_lite.compressed_runtime import CompressedExecutable
 from alpa_lite.cost_models.cluster import Cluster
+from alpa_lite.distributed import is_multiprocess, share_from_first
 from alpa_lite.errors import PlanMismatchError, PlanningError
 from alpa_lite.graph import Role
 from alpa_lite.methods import Auto, DataParallel, Manual, Method
@@ -129,38 +130,46 @@ class ParallelizedStep:
             return self.fixed_plan
         key = (self._signature(args), cluster.fingerprint())
         if key not in self._plans:
-            names = {t.id: t.name for t in traced.graph.tensors if t.role is not Role.ACTIVATION}
-            if pipelined:
-                plan = make_pipeline_plan(self.parts(*args), self.method, cluster,
-                                          traced.fingerprint, traced.input_avals, names,
-                                          progress=progress)
-            elif self.compression is not None:
-                # Workers are to the batch what micro-batches are: the same check proves
-                # the loss combines exactly (a mean or a sum over examples).
-                try:
-                    workers = split_step(self.fn, args, self._batch_argnums(len(args)),
-                                         cluster.num_devices)
-                except PlanningError as e:
-                    raise PlanningError(
-                        f"gradient compression runs the loss on each of the "
-                        f"{cluster.num_devices} workers' share of the batch, as if they were "
-                        f"micro-batches, and this step cannot be split so: {e}") from None
-                plan = make_compressed_plan(traced, self.method, cluster, self.compression,
-                                            workers.loss_scale, names)
+            make = lambda: self._make_plan(args, traced, cluster, pipelined, progress)
+            if is_multiprocess():
+                # Process 0 plans and the others run its plan: a solver's time limit must
+                # not let the processes disagree.
+                plan = Plan.from_json(share_from_first(lambda: make().to_json(),
+                                                       errors=(PlanningError,)))
             else:
-                plan = make_plan(traced, self.method, cluster, tensor_names=names,
-                                 progress=progress)
+                plan = make()
             self._plans[key] = replace_stats(plan, trace_s=trace_s)
         return self._plans[key]
+
+    def _make_plan(self, args, traced: TracedStep, cluster: Cluster, pipelined: bool,
+                   progress: Progress | None) -> Plan:
+        names = {t.id: t.name for t in traced.graph.tensors if t.role is not Role.ACTIVATION}
+        if pipelined:
+            return make_pipeline_plan(self.parts(*args), self.method, cluster,
+                                      traced.fingerprint, traced.input_avals, names,
+                                      progress=progress)
+        if self.compression is not None:
+            # Workers are to the batch what micro-batches are: the same check proves
+            # the loss combines exactly (a mean or a sum over examples).
+            try:
+                workers = split_step(self.fn, args, self._batch_argnums(len(args)),
+                                     cluster.num_devices)
+            except PlanningError as e:
+                raise PlanningError(
+                    f"gradient compression runs the loss on each of the "
+                    f"{cluster.num_devices} workers' share of the batch, as if they were "
+                    f"micro-batches, and this step cannot be split so: {e}") from None
+            return make_compressed_plan(traced, self.method, cluster, self.compression,
+                                        workers.loss_scale, names)
+        return make_plan(traced, self.method, cluster, tensor_names=names, progress=progress)
 
     def executable(self, *args) -> Executable:
         """The compiled executable for these arguments on the local devices."""
         cluster = self.cluster or Cluster.local()
         local = Cluster.local()
         # The local devices may be described as another grouping into nodes (e.g. to run
-        # a two-node plan on one machine's devices): the same devices, other links.
-        same_devices = (cluster.num_devices == local.num_devices
-                        and cluster.device == local.device)
+        # a two-node plan on one machine's devices), or by calibrated figures.
+        same_devices = cluster.can_run_on(local)
         if not same_devices:
             raise PlanMismatchError(
                 f"this step is set to cluster {cluster.name!r}, which is not the local "
@@ -179,6 +188,13 @@ class ParallelizedStep:
             else:
                 self._executables[key] = Executable(self.trace(*args), plan, jax.devices())
         return self._executables[key]
+
+    def input_shardings(self, *args):
+        """The `jax.sharding.Sharding` the plan wants for each argument leaf, as a pytree
+        shaped like `args` (arrays or `jax.ShapeDtypeStruct`s), e.g. to load a checkpoint
+        straight onto the devices that need it. Plans and builds the executable as the
+        first call would, but compiles and runs nothing."""
+        return self.executable(*args).input_shardings(*args)
 
     def with_method(self, method: Method) -> "ParallelizedStep":
         """The same step with another method, sharing this step's traces (tracing a large

@@ -7,10 +7,13 @@
     alpa-lite show plan.json [--png plan.png]            # tables; pictures
     alpa-lite compare gpt-2.6b --cluster 8xV100          # auto vs the Megatron grid, ranked
     alpa-lite explain plan.json [--op NAME]              # why each stage / sharding
+    alpa-lite calibrate -o mycluster.json [--quick]      # measure the local devices
+    alpa-lite launch -n 2 --cpu-devices 4 train.py ...   # N local JAX processes
 
 Each command parses its arguments, calls the function that does the work
 (`alpa_lite.targets.load_target`, `ParallelizedStep.plan`, `alpa_lite.compare.compare`,
-`alpa_lite.plan_report.show_text`, `alpa_lite.pictures.save`, `alpa_lite.explain`) and
+`alpa_lite.plan_report.show_text`, `alpa_lite.pictures.save`, `alpa_lite.explain`,
+`alpa_lite.calibrate.calibrate`) and
 prints the result with rich. Exit codes: 0 success; 2 bad usage or input (an unknown model
 or preset, a missing or malformed file, a plan for another cluster or version); 1 the
 planner found no plan. Errors are one line on stderr, without a traceback.
@@ -488,7 +491,103 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from alpa_lite.calibrate import calibrate
+    out = _stdout()
+    with _ProgressDisplay(args.verbose) as progress:
+        cluster, report = calibrate(quick=args.quick, progress=progress)
+    for table in calibration_tables(report):
+        out.print(table)
+    pathlib.Path(args.output).write_text(cluster.to_json() + "\n")
+    if args.report:
+        pathlib.Path(args.report).write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+    out.print(f"{cluster.name}: {cluster.num_nodes} x {cluster.devices_per_node} "
+              f"{report.device_kind} devices calibrated in {report.elapsed_s:.1f} s; wrote "
+              f"{args.output} (use it with --cluster {args.output})"
+              + (f" and {args.report}" if args.report else ""), markup=False)
+    return 0
+
+
+def calibration_tables(report) -> list[Table]:
+    """What `alpa-lite calibrate` prints: matmul timings and the fitted efficiency curve,
+    element-wise passes and memory bandwidth, all-reduce timings and the fitted links."""
+    def rate(x: float) -> str:
+        return f"{x / 1e12:.4g} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.4g} GFLOP/s"
+
+    def dur(s: float) -> str:
+        return f"{s * 1e3:.4g} ms" if s >= 1e-3 else f"{s * 1e6:.4g} µs"
+
+    n = report.devices_per_process
+    mm = Table(title=f"matmuls ({report.dtype}; {n} device{'s' if n > 1 else ''} of a process "
+                     f"at once; per device, dispatch {dur(report.dispatch_s)} taken off)",
+               caption=f"peak {rate(report.peak_flops_per_s)} ({report.peak_source}); "
+                       f"op_overhead_s {dur(report.op_overhead_s)} per matmul (the "
+                       f"{report.matmuls[0].m}^3 chain); efficiency = FLOPs / (peak x (time - "
+                       f"overhead)); cv: coefficient of variation of the timed calls",
+               caption_justify="left")
+    for col in ("m x k x n", "FLOPs", "time/matmul", "rate", "efficiency", "chain", "cv"):
+        mm.add_column(col, justify="left" if col == "m x k x n" else "right", no_wrap=True)
+    from alpa_lite.cost_models.calibration import matmul_efficiencies
+    effs = matmul_efficiencies([s.flops for s in report.matmuls],
+                               [s.seconds for s in report.matmuls], report.peak_flops_per_s,
+                               report.op_overhead_s)
+    for s, e in zip(report.matmuls, effs):
+        mm.add_row(f"{s.m} x {s.k} x {s.n}", f"{s.flops:.3g}", dur(s.seconds),
+                   rate(s.flops_per_s), "-" if math.isnan(e) else f"{e:.3f}", str(s.repeats),
+                   f"{s.cv:.2f}")
+    curve = Table(title="fitted matmul efficiency curve (interpolated in log FLOPs, clamped "
+                        "at the ends)")
+    curve.add_column("FLOPs / matmul / device", justify="right")
+    curve.add_column("fraction of peak", justify="right")
+    for f, e in report.matmul_efficiency_curve:
+        curve.add_row(f"{f:.3g}", f"{e:.3f}")
+    mem = Table(title=f"element-wise passes (x + 1, per device): memory bandwidth "
+                      f"{report.memory_bandwidth_bytes_per_s / 1e9:.4g} GB/s, fixed "
+                      f"{dur(report.memory_intercept_s)} per pass")
+    for col in ("bytes read + written", "time/pass", "GB/s", "chain", "cv"):
+        mem.add_column(col, justify="right", no_wrap=True)
+    for s in report.memory:
+        mem.add_row(f"{s.nbytes:.3g}", dur(s.seconds), f"{s.nbytes / s.seconds / 1e9:.3g}",
+                    str(s.repeats), f"{s.cv:.2f}")
+    links = Table(title="all-reduce (ring model: 2(n-1) alpha + 2(n-1)/n M / B)")
+    for col in ("link", "n", "bytes/device", "measured", "fitted", "error", "cv"):
+        links.add_column(col, justify="left" if col == "link" else "right", no_wrap=True)
+    for r in report.links:
+        for s, err in zip(r.samples, r.relative_errors):
+            links.add_row(f"{r.level}: {r.link.name}", str(r.group_size), f"{s.nbytes:.3g}",
+                          dur(s.seconds), dur(s.seconds * (1 + err)), f"{err:+.0%}",
+                          f"{s.cv:.2f}")
+        links.add_row(f"{r.level} fit", "", "", "", f"alpha {dur(r.link.latency_s)}",
+                      f"B {r.link.bandwidth_bytes_per_s / 1e9:.3g} GB/s", "")
+    if not report.links:
+        links.caption = "no link timed: one device per process (the nominal links are kept)"
+    return [mm, curve, mem, links]
+
+
 # ---- parser and main -----------------------------------------------------------------------
+
+
+def cmd_launch(args) -> int:
+    from alpa_lite.launch import launch, script_command
+    try:
+        command = script_command(args.script, args.script_args)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    try:
+        results = launch(command, args.num_processes,
+                         None if args.no_cpu else args.cpu_devices, timeout_s=args.timeout,
+                         echo=sys.stdout)
+    except TimeoutError as e:
+        print(f"{PROG} launch: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 124      # timeout(1)'s status for a command it stopped
+    failed = [r for r in results if not r.ok]
+    # When one process dies, the others stop because of it: the first to end is the cause.
+    first = min(failed, key=lambda r: r.elapsed_s) if failed else None
+    for r in results:
+        note = " (the first to fail)" if r is first and len(failed) > 1 else ""
+        print(f"{PROG} launch: {r.describe()}{note}", file=sys.stderr)
+    # The first failure's status, so a script's own exit code reaches the caller.
+    return next((r.returncode if r.returncode > 0 else 1 for r in results if not r.ok), 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -572,6 +671,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None)
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(run=cmd_explain)
+
+    p = sub.add_parser("calibrate", help="measure the local devices (matmul efficiency, "
+                                         "memory bandwidth, links) and write a cluster JSON")
+    p.add_argument("-o", "--output", required=True,
+                   help="write the calibrated cluster JSON here (give it to --cluster)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer shapes and sizes, 3 timed calls each (~3x faster, noisier)")
+    p.add_argument("--report", help="also write every timing and fit as JSON here")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print each measuring phase as it ends")
+    p.set_defaults(run=cmd_calibrate)
+
+    p = sub.add_parser("launch", help="run a script as N JAX processes on this machine "
+                                      "(tests, laptops); the script calls "
+                                      "alpa_lite.distributed.initialize()")
+    p.add_argument("-n", "--num-processes", type=_positive, default=2,
+                   help="processes to start (default 2)")
+    p.add_argument("--cpu-devices", type=_positive, default=4,
+                   help="virtual CPU devices per process (default 4)")
+    p.add_argument("--no-cpu", action="store_true",
+                   help="leave the platform alone (e.g. one GPU per process) instead of "
+                        "virtual CPU devices")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="stop every process after this many seconds (default: none)")
+    p.add_argument("script", help="the Python script every process runs")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="arguments passed on to the script")
+    p.set_defaults(run=cmd_launch)
     return parser
 
 

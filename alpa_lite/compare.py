@@ -166,7 +166,9 @@ def compare(step_fn: Callable | ParallelizedStep, *args, cluster: Cluster,
         if batch_argnums is None:
             batch_argnums = step_fn.batch_argnums
         step_fn = step_fn.fn
-    base = ParallelizedStep(step_fn, Auto(), None, batch_argnums)
+    # The step carries `cluster` so that measured plans run as planned for it (a
+    # calibrated description of the local devices, not only Cluster.local()).
+    base = ParallelizedStep(step_fn, Auto(), cluster, batch_argnums)
     if measure:
         _check_measurable(cluster, args if real_args is None else real_args)
     traced = base.trace(*args)
@@ -233,10 +235,10 @@ def _batch_size(graph: OpGraph) -> int:
 
 def _check_measurable(cluster: Cluster, args) -> None:
     local = Cluster.local()
-    if cluster.fingerprint() != local.fingerprint():
+    if not cluster.can_run_on(local):
         raise ValueError(f"measuring runs the plans on the local devices ({local.name}), but "
                          f"the plans are for {cluster.name!r}; compare for the local cluster "
-                         "to measure")
+                         "(or a calibrated one: alpa-lite calibrate) to measure")
     if not all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(args)):
         raise ValueError("measuring needs real arrays, but the arguments are not all arrays "
                          "(e.g. jax.ShapeDtypeStructs); pass real_args=")

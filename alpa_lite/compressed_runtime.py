@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from alpa_lite import compression as C
+from alpa_lite.distributed import place
 from alpa_lite.errors import NonFiniteGradientError
 from alpa_lite.markers import GradientHook, gradient_hook
 from alpa_lite.plan import Plan
@@ -220,7 +221,7 @@ class CompressedExecutable:
                 raise ValueError(f"compression state leaf {a.shape} {a.dtype} does not match "
                                  f"{b.shape} {b.dtype}")
         sharding = NamedSharding(self.mesh, P(WORKERS))
-        self._state = jax.tree.map(lambda x: jax.device_put(x, sharding), state)
+        self._state = jax.tree.map(lambda x: place(x, sharding), state)
 
     def reset_state(self, seed: int | None = None) -> None:
         """Zeroes the state (residuals, queues) and the step count, and forgets the
@@ -232,6 +233,77 @@ class CompressedExecutable:
         self.step = 0
         self._replicas.clear()
         self._returned.clear()
+
+    # ---- checkpoints (alpa_lite.checkpoint) -------------------------------------------
+
+    def input_shardings(self, *args):
+        """Where each argument leaf goes, as a pytree shaped like `args` (arrays or
+        ShapeDtypeStructs); compiles nothing. Batch leaves are split over the workers
+        (dimension 0); every other leaf is replicated on the workers' mesh, including
+        those delayed averaging copies per worker (the copies are made from it)."""
+        _, _, batch, _ = self._specs(args)
+        flat = [NamedSharding(self.mesh, P(WORKERS) if j in batch else P())
+                for j in range(len(jax.tree.leaves(args)))]
+        return jax.tree.unflatten(jax.tree.structure(args), flat)
+
+    def state_shapes(self, *args):
+        """The per-worker state for these arguments as ShapeDtypeStructs stacked over workers
+        and sharded one row per device (what `state()` holds after a step). Traces the step
+        as its first call does; computes and compiles nothing."""
+        n = self.num_nodes * self.local
+        sharding = NamedSharding(self.mesh, P(WORKERS))
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct((n,) + tuple(s.shape), s.dtype, sharding=sharding),
+            self._probe_state(args))
+
+    def replicas_of(self, leaves: Sequence[Any]) -> dict[int, jax.Array]:
+        """Delayed averaging: {position in `leaves`: per-worker copies} for the leaves this
+        executable returned last, i.e. those whose next call goes on from the workers' own
+        copies instead of the value passed. Empty for synchronous methods."""
+        out = {}
+        for i, x in enumerate(leaves):
+            for j, r in self._returned.items():
+                if r is x:
+                    out[i] = self._replicas[j]
+        return out
+
+    def restore_checkpoint(self, args, state, step_count: int, key,
+                           replicas: dict[int, jax.Array]) -> None:
+        """Puts back what a checkpoint holds, so the next call continues bit-identically.
+
+        Args:
+          args: the arguments of the next call (arrays or ShapeDtypeStructs); the leaves
+            named in `replicas` must be the very arrays that call will pass.
+          state: the per-worker state, shaped as `state_shapes(*args)`.
+          step_count: steps taken (it picks the warm-up phase).
+          key: the base PRNG key of the compressors' random choices.
+          replicas: delayed averaging: {argument leaf index: per-worker copies, stacked}.
+        """
+        want = self.state_shapes(*args)
+        if jax.tree.structure(state) != jax.tree.structure(want):
+            raise ValueError(f"compression state has structure {jax.tree.structure(state)}, "
+                             f"expected {jax.tree.structure(want)}")
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+            if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+                raise ValueError(f"compression state leaf {a.shape} {a.dtype} does not match "
+                                 f"{b.shape} {b.dtype}")
+        flat = jax.tree.leaves(args)
+        n = self.num_nodes * self.local
+        for j, r in replicas.items():
+            if j not in self.per_worker:
+                raise ValueError(f"argument leaf {j} has per-worker copies in the checkpoint "
+                                 "but this plan keeps none for it (only delayed averaging "
+                                 "keeps copies, of the leaves the step returns)")
+            if tuple(r.shape) != (n,) + tuple(flat[j].shape):
+                raise ValueError(f"per-worker copies of argument leaf {j} have shape "
+                                 f"{r.shape}, expected {(n,) + tuple(flat[j].shape)}")
+        sharding = NamedSharding(self.mesh, P(WORKERS))
+        self._state = jax.tree.map(lambda x: place(x, sharding), state)
+        self.step = int(step_count)
+        self.base_key = key
+        self._replicas = {j: place(r, sharding) for j, r in replicas.items()}
+        # `_prepare` uses the copies only when the caller hands back this exact array.
+        self._returned = {j: flat[j] for j in replicas}
 
     # ---- running -------------------------------------------------------------------------
 
@@ -270,7 +342,18 @@ class CompressedExecutable:
         return jax.jit(mapped), in_specs
 
     def _init_state(self, args):
-        """Traces the step once without exchanging, to learn the gradient leaves."""
+        """Zeroes the per-worker state, shaped for these arguments' gradient leaves."""
+        n = self.num_nodes * self.local
+        sharding = NamedSharding(self.mesh, P(WORKERS))
+        # Made on the devices, one row each: nothing of size n x (the gradient) on a host.
+        shapes = self._probe_state(args)
+        self._state = jax.jit(
+            lambda: jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), shapes),
+            out_shardings=jax.tree.map(lambda _: sharding, shapes))()
+
+    def _probe_state(self, args):
+        """Traces the step once without exchanging, to learn the gradient leaves (and their
+        names): one worker's state, as ShapeDtypeStructs."""
         treedef, _, batch, _ = self._specs(args)
         n = self.num_nodes * self.local
         flat = jax.tree.leaves(args)
@@ -287,9 +370,7 @@ class CompressedExecutable:
         if hook.calls == 0:
             raise ValueError("the step never called al.value_and_grad / al.grad: there is "
                              "no gradient to compress")
-        sharding = NamedSharding(self.mesh, P(WORKERS))
-        self._state = jax.tree.map(
-            lambda s: jax.device_put(jnp.zeros((n,) + s.shape, s.dtype), sharding), one)
+        return one
 
     def _prepare(self, args):
         """(program, its input specs, the placed argument leaves) for this step."""
@@ -308,7 +389,7 @@ class CompressedExecutable:
                 continue
             if j in self.per_worker:
                 x = jnp.broadcast_to(jnp.asarray(x)[None], (n,) + tuple(np.shape(x)))
-            placed.append(jax.device_put(x, NamedSharding(self.mesh, spec)))
+            placed.append(place(x, NamedSharding(self.mesh, spec)))
         return program, in_specs, placed
 
     def hlo(self, *args) -> str:

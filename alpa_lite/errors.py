@@ -9,5 +9,9 @@ class PlanMismatchError(ValueError):
     """A plan was used with a different cluster, program or argument shapes."""
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint holds another model's state, or compressor state this step cannot take."""
+
+
 class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN or Inf; the step changed nothing (see `on_nonfinite`)."""

@@ -25,11 +25,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpa_lite.cost_models.pipeline_schedule import schedule_from_name, stage_order
+from alpa_lite.distributed import on_every_process, place
 from alpa_lite.errors import PlanMismatchError
 from alpa_lite.graph import Role
 from alpa_lite.pipeline_program import StageProgram, StepParts, replay, stage_program
 from alpa_lite.plan import Plan, StagePlan
-from alpa_lite.runtime import named_sharding, stage_mesh
+from alpa_lite.runtime import named_sharding, shardings_like, stage_mesh
 from alpa_lite.sharding import TensorSpec
 
 
@@ -256,6 +257,31 @@ class PipelineExecutable:
         return st.sharding(TensorSpec.replicated(len(tensor.shape))) if best is None \
             else st.sharding(self._param_spec(best)[1])
 
+    def input_shardings(self, *args):
+        """The sharding each argument leaf should have, as a pytree shaped like `args`
+        (arrays or ShapeDtypeStructs); compiles nothing.
+
+        Parameters, optimizer state and other step inputs: at their home stage
+        (`input_sharding`), where a training loop gets them back from the previous step.
+        Batch leaves: on the first stage that reads them, split as that stage wants each
+        micro-batch (e.g. over its data-parallel axis); micro-batches are slices of the
+        leading dimension, so the whole batch divides the same way.
+        """
+        outer = self.parts.outer.graph
+        node = outer.nodes[self.parts.grad_node]
+        fwd_of = {t_o: t_f for t_f, t_o in zip(self.parts.forward.graph.inputs, node.inputs)
+                  if t_o is not None}
+        flat = []
+        for t in outer.inputs:
+            sharding = self.input_sharding[t]
+            if fwd_of.get(t) in self.batch_inputs:
+                readers = [st for st in self.stages if fwd_of[t] in st.prog.acts]
+                if readers:
+                    st = readers[0]
+                    sharding = st.act_in[st.prog.acts.index(fwd_of[t])]
+            flat.append(sharding)
+        return shardings_like(args, flat)
+
     def _segment_fn(self, s, nodes, ins, outs):
         outer = self.parts.outer
         tied_out = {}
@@ -298,7 +324,7 @@ class PipelineExecutable:
         # Parameters on every stage that reads them.
         params = []
         for st in self.stages:
-            params.append(jax.device_put([fwd_value[t] for t in st.prog.params], st.param_in))
+            params.append(place([fwd_value[t] for t in st.prog.params], st.param_in))
 
         def micro(t: int, i: int):
             x = fwd_value[t]
@@ -319,7 +345,7 @@ class PipelineExecutable:
             if kind == "F":
                 acts = [micro(t, i) if t not in self.maker else acts_out[(t, i)]
                         for t in prog.acts]
-                acts = jax.device_put(acts, st.act_in)
+                acts = place(acts, st.act_in)
                 for t in prog.acts:
                     # Sent to every reader: the producer's copy can go.
                     if t in self.maker:
@@ -379,13 +405,20 @@ class PipelineExecutable:
             for t in ins:
                 v = env[t]
                 if outer.producer(t) is None and self.home[t] == s:
-                    v = jax.device_put(v, self.input_sharding[t])
+                    v = place(v, self.input_sharding[t])
                 elif _elsewhere(v, st.mesh):
                     v = jax.device_put(v, st.replicated())
                 vals.append(v)
             for t, v in zip(outs, fn(*vals)):
                 env[t] = v
         results = [env[t] for t in outer.outputs]
+        if jax.process_count() > 1:
+            # The loss (and any other result that is not new state) lives on the last
+            # stage's devices; every process of a multi-process run gets a copy. New
+            # parameters and optimizer state stay at their stage, where the next step reads
+            # them.
+            results = [v if tie is not None else on_every_process(v)
+                       for v, tie in zip(results, outer.output_ties)]
         return jax.tree_util.tree_unflatten(parts.outer.out_tree, results)
 
     def _output_spec(self, t: int) -> TensorSpec:

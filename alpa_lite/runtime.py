@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from alpa_lite.distributed import place
+from alpa_lite.errors import PlanMismatchError
 from alpa_lite.plan import Plan, StagePlan
 from alpa_lite.sharding import TensorSpec
 from alpa_lite.tracing import TracedStep
@@ -77,7 +79,7 @@ class StageExecutable:
 
     def put_args(self, flat_args: Sequence[Any]) -> list[Any]:
         # One batched call: arrays already placed as the plan wants are passed through.
-        return jax.device_put(list(flat_args), list(self.in_shardings))
+        return place(list(flat_args), list(self.in_shardings))
 
     def compiled(self, flat_args: Sequence[Any]):
         """The compiled program for these argument shapes (compiled once, then reused)."""
@@ -115,3 +117,18 @@ class Executable:
 
     def compiled_text(self, *args) -> str:
         return self.stage.compiled_text(jax.tree_util.tree_leaves(args))
+
+    def input_shardings(self, *args):
+        """The sharding the plan wants for each argument leaf (the stage's `in_shardings`),
+        as a pytree shaped like `args` (arrays or ShapeDtypeStructs); compiles nothing."""
+        return shardings_like(args, self.stage.in_shardings)
+
+
+def shardings_like(args, flat_shardings: Sequence[Any]):
+    """`flat_shardings` (one per leaf of `args`) as a pytree shaped like `args`."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    if len(leaves) != len(flat_shardings):
+        raise PlanMismatchError(f"the step was planned for {len(flat_shardings)} argument "
+                                f"leaves, got {len(leaves)}; pass the arguments it was "
+                                "built for")
+    return jax.tree_util.tree_unflatten(treedef, list(flat_shardings))

@@ -1,5 +1,5 @@
-"""Cost models: device and cluster specs, collective and compute costs, pipeline schedules
-(no PuLP here)."""
+"""Cost models: device and cluster specs, collective and compute costs, pipeline schedules,
+calibration fits (``calibration.py``) (no PuLP here)."""
 
 from alpa_lite.cost_models.cluster import CLUSTER_JSON_FORMAT as CLUSTER_JSON_FORMAT
 from alpa_lite.cost_models.cluster import Cluster as Cluster

@@ -184,6 +184,21 @@ class Cluster:
             )
         return i // self.devices_per_node
 
+    def can_run_on(self, local: Cluster) -> bool:
+        """Whether a plan made for this cluster can run on ``local`` (``Cluster.local()``).
+
+        True when both have the same number of devices and either the same device spec
+        (the local devices described as another grouping into nodes, e.g. a two-node plan
+        run on one machine) or the same platform and devices per node (a calibrated
+        description of the local devices, ``alpa_lite.calibrate``: measured device and
+        link figures in place of the nominal ones).
+        """
+        if self.num_devices != local.num_devices:
+            return False
+        if self.device == local.device:
+            return True
+        return self.platform == local.platform and self.devices_per_node == local.devices_per_node
+
     # ---------------------------------------------------------------- constructors
 
     @staticmethod
@@ -214,7 +229,8 @@ class Cluster:
         devices to the ``[Nominal]`` ``DEVICES["CPU"]``. Links are assumptions, not
         measurements: GPUs get the NVLink/network links of the matching preset; CPU devices
         a nominal shared-memory link inside a process and a nominal loopback link between
-        processes. Calibrate (a later step) before trusting absolute times.
+        processes. Calibrate (``alpa_lite.calibrate.calibrate``, ``alpa-lite calibrate``)
+        before trusting absolute times.
 
         Raises:
           ValueError: for an unknown GPU kind or platform, or unequal device counts per

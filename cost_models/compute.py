@@ -5,18 +5,25 @@ between memory and the device takes
 
     ``max(flops / (peak_flops(dtype) * eff), bytes_accessed / memory_bandwidth)``
 
-seconds, with ``eff = matmul_efficiency`` for matmuls/convolutions and
-``elementwise_efficiency`` otherwise (Williams, Waterman & Patterson, "Roofline", CACM 2009).
-The memory term uses the datasheet bandwidth unscaled (measured elementwise ops reach
-~80% of it on the H100, HARDWARE.md; calibration will fold that in).
-FLOPs and bytes come from the traced graph (count them from the jaxpr; DESIGN.md explains
-why not from XLA's ``cost_analysis()``).
+seconds (Williams, Waterman & Patterson, "Roofline", CACM 2009), plus, for matmuls and
+convolutions, the device's fixed per-kernel ``op_overhead_s``:
 
-Known limitation: the efficiency is one constant per device and op class. On the lent H100
-large bf16 matmuls reach 71-82% of peak but small ones (512 tokens x hidden 1024) only
-1-6%, and small elementwise ops are launch-bound (HARDWARE.md). A size-dependent efficiency
-curve fitted to micro-benchmarks, and a per-kernel launch overhead, are a planned
-refinement; until then small or heavily sharded ops are priced optimistically.
+* matmul/conv: ``eff = device.matmul_efficiency_at(flops)``, the size-dependent efficiency
+  curve (``DeviceSpec.matmul_efficiency_curve``, interpolated in ``log(flops)`` of the op on
+  one device), or the constant ``matmul_efficiency`` when the spec has no curve. On the lent
+  H100 large bf16 matmuls reach 71-82% of peak but small ones (512 tokens x hidden 1024)
+  only 1-6% (HARDWARE.md), so a constant prices small or heavily sharded matmuls
+  optimistically; a calibrated curve (``calibration.py``) does not.
+* everything else: ``eff = elementwise_efficiency``, no overhead. XLA fuses element-wise
+  ops into their neighbours, so charging each traced equation a kernel launch would count
+  launches that never happen; the overhead is charged once per matmul, the op that always
+  is its own kernel, and calibration measures it that way (a matmul and the element-wise
+  op that follows it).
+
+The memory term uses ``memory_bandwidth_bytes_per_s``: the datasheet figure in presets
+(measured elementwise ops reach ~80% of it on the H100, HARDWARE.md), the measured
+rate in a calibrated spec. FLOPs and bytes come from the traced graph (count them from the
+jaxpr; DESIGN.md explains why not from XLA's ``cost_analysis()``).
 """
 
 from __future__ import annotations
@@ -42,11 +49,12 @@ def compute_time(
       bytes_accessed: Bytes read plus written in device memory.
       device: The device.
       dtype: Compute dtype, a name (``"bfloat16"``) or a numpy/jax dtype; picks the peak.
-      is_matmul: True for dot/conv ops (``matmul_efficiency``), False otherwise
-        (``elementwise_efficiency``).
+      is_matmul: True for dot/conv ops (``matmul_efficiency_at(flops)`` and
+        ``op_overhead_s``), False otherwise (``elementwise_efficiency``).
 
     Returns:
-      ``max(flops / (peak * eff), bytes_accessed / memory_bandwidth)``; 0.0 for no work.
+      ``max(flops / (peak * eff), bytes_accessed / memory_bandwidth)``, plus
+      ``op_overhead_s`` for a matmul; 0.0 for no work.
 
     Raises:
       ValueError: for negative or non-finite ``flops``/``bytes_accessed``.
@@ -66,7 +74,8 @@ def compute_time(
         )
     if f == 0.0 and b == 0.0:
         return 0.0
-    eff = device.matmul_efficiency if is_matmul else device.elementwise_efficiency
+    eff = device.matmul_efficiency_at(f) if is_matmul else device.elementwise_efficiency
     flop_time_s = f / (device.peak_flops(dtype) * eff) if f else 0.0
     memory_time_s = b / device.memory_bandwidth_bytes_per_s
-    return max(flop_time_s, memory_time_s)
+    overhead_s = device.op_overhead_s if is_matmul else 0.0
+    return max(flop_time_s, memory_time_s) + overhead_s

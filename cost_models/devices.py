@@ -4,6 +4,11 @@ A :class:`DeviceSpec` is a frozen record of one device's dense peak FLOP rates p
 its memory size and memory bandwidth, and the fraction of peak that matmuls and
 elementwise ops reach in practice. The compute model (``compute.py``) turns these into
 roofline times; the cluster model (``cluster.py``) puts devices into nodes and links.
+Two optional refinements come from calibration (``calibration.py`` fits them,
+``alpa_lite/calibrate.py`` measures them): a matmul efficiency that depends on the matmul's
+size (``matmul_efficiency_curve``) and a fixed time per matmul kernel (``op_overhead_s``).
+Both are left out of :meth:`DeviceSpec.to_dict` while they hold their defaults, so the
+JSON (and the cluster fingerprints) of specs without them are what they were before.
 
 Every constant below names its source: a datasheet, ``/work/shared/HARDWARE.md`` (figures
 measured on the lent H100), or ``[Nominal]`` where the number is a stand-in chosen for tests.
@@ -93,17 +98,62 @@ def _require_name(owner: str, field: str, value: Any) -> str:
     return value
 
 
-def _check_keys(owner: str, d: Any, expected: tuple[str, ...]) -> None:
-    """Raises ValueError unless ``d`` is a dict whose keys are exactly ``expected``."""
+def _check_keys(
+    owner: str, d: Any, expected: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> None:
+    """Raises ValueError unless ``d`` is a dict with every key of ``expected``, and no keys
+    but those and ``optional`` ones."""
     if not isinstance(d, dict):
         raise ValueError(f"{owner}: expected a JSON object (dict), got {type(d).__name__}.")
     missing = sorted(set(expected) - set(d))
-    extra = sorted(set(d) - set(expected))
+    extra = sorted(set(d) - set(expected) - set(optional))
     if missing or extra:
         raise ValueError(
             f"{owner}: missing keys {missing}, unknown keys {extra}; "
-            f"expected exactly {sorted(expected)} (write it with to_dict()/to_json())."
+            f"expected {sorted(expected)}"
+            + (f" and optionally {sorted(optional)}" if optional else "")
+            + " (write it with to_dict()/to_json())."
         )
+
+
+def _require_efficiency_curve(
+    owner: str, field: str, value: Any
+) -> tuple[tuple[float, float], ...]:
+    """Returns ``value`` as ``((flops, fraction), ...)`` sorted by FLOPs, or raises ValueError.
+
+    Each point needs FLOPs finite and > 0 (given once) and a fraction of peak in (0, 1].
+    Lists (as JSON gives them) are accepted; the result is a tuple of float pairs.
+    """
+    example = "e.g. ((1e9, 0.05), (1e11, 0.6), (1e12, 0.8))"
+    try:
+        points = [tuple(p) for p in value]
+    except TypeError:
+        points = None
+    if (
+        points is None
+        or isinstance(value, (str, bytes, dict))
+        or any(len(p) != 2 for p in points)
+    ):
+        raise ValueError(
+            f"{owner}: {field} must be a sequence of (flops, fraction_of_peak) pairs, got "
+            f"{value!r}; {example}, or () for the constant matmul_efficiency."
+        )
+    out = []
+    for i, (flops, fraction) in enumerate(points):
+        out.append(
+            (
+                _require_positive(owner, f"{field}[{i}] flops", flops),
+                _require_fraction(owner, f"{field}[{i}] fraction", fraction),
+            )
+        )
+    out.sort()
+    for (f0, _), (f1, _) in zip(out, out[1:]):
+        if f0 == f1:
+            raise ValueError(
+                f"{owner}: {field} lists {f0:g} FLOPs twice; give one efficiency per size "
+                f"(average repeated measurements first)."
+            )
+    return tuple(out)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -137,12 +187,21 @@ class DeviceSpec:
       memory_bandwidth_bytes_per_s: Device memory bandwidth in bytes per second.
       matmul_efficiency: Fraction of peak a large matmul reaches ([Empirical]; on the lent
         H100 large bf16 matmuls reached 71-82% of 989 TFLOP/s, HARDWARE.md, so 0.75).
-        Small or heavily sharded matmuls fall far below this: a size-dependent efficiency
-        curve is a planned refinement of ``compute.py``, not modelled here.
+        Small or heavily sharded matmuls fall far below this; ``matmul_efficiency_curve``
+        models that. Used only when the curve is empty.
       elementwise_efficiency: Fraction of the FLOP peak that non-matmul ops reach
         ([Nominal] 0.8, chosen to match the ~0.8 of HBM bandwidth that bf16 gelu reached
         on the H100, 2.6-2.8 of 3.35 TB/s, HARDWARE.md). Memory-bound ops are priced at
         the full datasheet bandwidth by ``compute.py``.
+      matmul_efficiency_curve: ``((flops, fraction_of_peak), ...)``: the efficiency of one
+        matmul/convolution as a function of its FLOPs on one device, interpolated linearly
+        in ``log(flops)`` between points and clamped to the first/last point outside them
+        (:meth:`matmul_efficiency_at`). Empty (the default) means the constant
+        ``matmul_efficiency`` for every size. Fitted by ``calibration.py`` from measured
+        matmuls; stored sorted by FLOPs.
+      op_overhead_s: Fixed seconds added to every matmul/convolution on top of its
+        roofline time: the per-kernel cost (launch, thunk dispatch) that no FLOP rate
+        captures. 0.0 by default; measured by calibration.
     """
 
     name: str
@@ -151,6 +210,8 @@ class DeviceSpec:
     memory_bandwidth_bytes_per_s: float
     matmul_efficiency: float = 0.75
     elementwise_efficiency: float = 0.8
+    matmul_efficiency_curve: tuple[tuple[float, float], ...] = ()
+    op_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         owner = f"DeviceSpec {self.name!r}"
@@ -197,6 +258,43 @@ class DeviceSpec:
             "elementwise_efficiency",
             _require_fraction(owner, "elementwise_efficiency", self.elementwise_efficiency),
         )
+        object.__setattr__(
+            self,
+            "matmul_efficiency_curve",
+            _require_efficiency_curve(
+                owner, "matmul_efficiency_curve", self.matmul_efficiency_curve
+            ),
+        )
+        object.__setattr__(
+            self, "op_overhead_s", _require_non_negative(owner, "op_overhead_s", self.op_overhead_s)
+        )
+
+    def matmul_efficiency_at(self, flops: float) -> float:
+        """Fraction of peak that one matmul of ``flops`` FLOPs (on one device) reaches.
+
+        With an empty ``matmul_efficiency_curve`` this is ``matmul_efficiency``. Otherwise,
+        between curve points ``(f0, e0)`` and ``(f1, e1)`` with ``f0 <= flops <= f1``:
+
+            ``e0 + (e1 - e0) * (log(flops) - log(f0)) / (log(f1) - log(f0))``
+
+        and ``e0`` of the first point below it, ``e1`` of the last above it (clamped).
+        Efficiency grows roughly with the log of the size on GPUs (HARDWARE.md's sweep: 1-6%
+        of peak at 1e9 FLOPs, ~80% from 1e11), hence interpolation in ``log(flops)``.
+
+        Raises:
+          ValueError: for negative or non-finite ``flops``.
+        """
+        f = _require_non_negative(f"DeviceSpec {self.name!r}", "flops", flops)
+        curve = self.matmul_efficiency_curve
+        if not curve:
+            return self.matmul_efficiency
+        if f <= curve[0][0]:
+            return curve[0][1]
+        if f >= curve[-1][0]:
+            return curve[-1][1]
+        xs = np.log([p[0] for p in curve])
+        ys = [p[1] for p in curve]
+        return float(np.interp(math.log(f), xs, ys))
 
     def peak_flops(self, dtype: Any) -> float:
         """Dense peak FLOP/s for ``dtype``.
@@ -225,8 +323,13 @@ class DeviceSpec:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; ``DeviceSpec.from_dict(spec.to_dict()) == spec``."""
-        return {
+        """A JSON-ready dict; ``DeviceSpec.from_dict(spec.to_dict()) == spec``.
+
+        ``matmul_efficiency_curve`` and ``op_overhead_s`` are written only when they differ
+        from their defaults, so specs without them serialise (and fingerprint) exactly as
+        before these fields existed.
+        """
+        d = {
             "name": self.name,
             "peak_flops_per_s": dict(self.peak_flops_per_s),
             "memory_bytes": self.memory_bytes,
@@ -234,15 +337,22 @@ class DeviceSpec:
             "matmul_efficiency": self.matmul_efficiency,
             "elementwise_efficiency": self.elementwise_efficiency,
         }
+        if self.matmul_efficiency_curve:
+            d["matmul_efficiency_curve"] = [list(p) for p in self.matmul_efficiency_curve]
+        if self.op_overhead_s != 0.0:
+            d["op_overhead_s"] = self.op_overhead_s
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DeviceSpec:
         """Builds a DeviceSpec from :meth:`to_dict` output.
 
+        The keys of :data:`_DEVICE_OPTIONAL_KEYS` may be absent (they take their defaults).
+
         Raises:
           ValueError: on missing or unknown keys (named in the message) or bad values.
         """
-        _check_keys("DeviceSpec.from_dict", d, _DEVICE_KEYS)
+        _check_keys("DeviceSpec.from_dict", d, _DEVICE_KEYS, _DEVICE_OPTIONAL_KEYS)
         peaks = d["peak_flops_per_s"]
         if not isinstance(peaks, dict):
             raise ValueError(
@@ -256,6 +366,8 @@ class DeviceSpec:
             memory_bandwidth_bytes_per_s=d["memory_bandwidth_bytes_per_s"],
             matmul_efficiency=d["matmul_efficiency"],
             elementwise_efficiency=d["elementwise_efficiency"],
+            matmul_efficiency_curve=d.get("matmul_efficiency_curve", ()),
+            op_overhead_s=d.get("op_overhead_s", 0.0),
         )
 
 
@@ -267,6 +379,8 @@ _DEVICE_KEYS = (
     "matmul_efficiency",
     "elementwise_efficiency",
 )
+# Written by to_dict() only when they differ from their defaults (module docstring).
+_DEVICE_OPTIONAL_KEYS = ("matmul_efficiency_curve", "op_overhead_s")
 
 
 # --------------------------------------------------------------------------------------

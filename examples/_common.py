@@ -11,7 +11,10 @@ JAX + optax train step; its `main` hands the module to `run_example`, which does
                                                        # plan only, nothing allocated
 
 Without --plan-only the steps run on the devices JAX sees: by default 8 virtual CPU devices
-(XLA_FLAGS below), so the multi-device plans can be tried on a laptop.
+(XLA_FLAGS below), so the multi-device plans can be tried on a laptop. With --distributed the
+example joins a multi-process job first, e.g. two processes of 4 CPU devices each:
+
+    alpa-lite launch -n 2 --cpu-devices 4 examples/gpt.py --distributed --method manual --dp 2 --tp 4
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
+import builtins
 import math
 import pathlib
 import time
@@ -100,6 +104,10 @@ def build_parser(module: ModuleType) -> argparse.ArgumentParser:
                         help="pipeline schedule (default: %(default)s)")
     parser.add_argument("--remat", action="store_true",
                         help="recompute activations in the backward (--method manual)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="join a multi-process job first (alpa_lite.distributed."
+                             "initialize), e.g. under `alpa-lite launch -n 2`; only "
+                             "process 0 prints")
     parser.add_argument("--plan-only", action="store_true",
                         help="plan with abstract arguments (jax.ShapeDtypeStruct); "
                              "allocate nothing and run nothing")
@@ -155,6 +163,10 @@ def run_example(module: ModuleType, argv: Sequence[str] | None = None) -> None:
       argv: command-line arguments without the program name (None: sys.argv[1:]).
     """
     args = parse_args(module, argv)
+    if args.distributed:
+        al.distributed.initialize()     # before JAX touches a device
+    # Every process runs this same program; one of them speaks.
+    print = builtins.print if jax.process_index() == 0 else (lambda *a, **k: None)
     cfg = module.CONFIGS[args.size]
     batch_size = args.batch_size or cfg.batch_size
     tx = make_optimizer(args.optimizer, args.lr)
