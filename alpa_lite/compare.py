@@ -27,8 +27,9 @@ update is not counted, nor is recomputation (as in the MFU convention of the PaL
 Appendix B), so a plan that recomputes does not look busier than it is.
 
 With `measure=True` every plan that fits is also run on the local devices (the target
-cluster must be them): one call to compile, then `measure_steps` timed calls, the median
-kept in `measured_step_s`.
+cluster must be them, or a calibrated description of them): the arguments are placed where
+the plan wants them (as a training loop holds them), then one call compiles and
+`measure_steps` timed calls follow, the median kept in `measured_step_s`.
 """
 
 from __future__ import annotations
@@ -256,11 +257,14 @@ def _measure(base: ParallelizedStep, rows: list[CompareRow], args: tuple, steps:
         report(progress, MEASURE, measured, total)
         measured += 1
         step = base.with_plan(row.plan)
-        jax.block_until_ready(step(*args))          # compiles
+        # Placed once where the plan wants them, as in a training loop (each step's results
+        # are the next step's arguments): the timed calls move no arguments.
+        placed = jax.device_put(args, step.input_shardings(*args))
+        jax.block_until_ready(step(*placed))        # compiles
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            jax.block_until_ready(step(*args))
+            jax.block_until_ready(step(*placed))
             times.append(time.perf_counter() - t0)
         out.append(dataclasses.replace(row, measured_step_s=statistics.median(times)))
     report(progress, MEASURE, total, total)

@@ -87,7 +87,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       cpu_devices: on CPU, virtual devices for this process (`jax_num_cpu_devices`).
       transfer_host: the address other processes reach this one at for pipeline
         activations (`jax_cross_host_transfer_socket_address`, on a free port). Unset: the
-        launcher's, else this host's name as resolved by DNS.
+        launcher's, else this host's name as resolved by DNS; on hosts whose name
+        resolves to a loopback address (127.0.1.1 on some Linux distributions), pass the
+        address of the network the other hosts reach.
       heartbeat_timeout_s: see `DEFAULT_HEARTBEAT_TIMEOUT_S`.
       initialization_timeout_s: see `DEFAULT_INITIALIZATION_TIMEOUT_S`.
       shutdown_timeout_s: see `DEFAULT_SHUTDOWN_TIMEOUT_S`.

@@ -115,6 +115,17 @@ def test_killed_process_stops_the_survivor(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
 
 
+def test_calibration_across_processes(tmp_path):
+    _run_job("calibrate", tmp_path)
+    texts = [(tmp_path / f"cluster_p{i}.json").read_text() for i in (0, 1)]
+    # Process 0's timings are shared, so both processes plan with the same cluster.
+    assert texts[0] == texts[1]
+    cluster = al.Cluster.from_json(texts[0])
+    assert (cluster.num_nodes, cluster.devices_per_node) == (2, 4)
+    # The link between processes was measured (gloo over loopback), not assumed.
+    assert cluster.inter_node is not None and "calibrated" in cluster.inter_node.name
+
+
 def test_launcher_refuses_bad_input():
     with pytest.raises(ValueError, match="num_processes"):
         LocalJob([sys.executable, WORKER], num_processes=0)
