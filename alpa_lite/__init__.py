@@ -15,6 +15,7 @@ from alpa_lite.api import parallelize as parallelize
 from alpa_lite.compare import CompareRow as CompareRow
 from alpa_lite.compare import compare as compare
 from alpa_lite.cost_models.cluster import Cluster as Cluster
+from alpa_lite.errors import CheckpointMismatchError as CheckpointMismatchError
 from alpa_lite.errors import NonFiniteGradientError as NonFiniteGradientError
 from alpa_lite.errors import PlanMismatchError as PlanMismatchError
 from alpa_lite.errors import PlanningError as PlanningError
@@ -27,7 +28,8 @@ from alpa_lite.methods import Manual as Manual
 from alpa_lite.plan import Plan as Plan
 
 __all__ = [
-    "Auto", "Cluster", "CompareRow", "DataParallel", "Manual", "NonFiniteGradientError",
-    "ParallelizedStep", "Plan", "PlanMismatchError", "PlanningError", "checkpoint", "compare", "distributed", "grad",
-    "mark_layer_boundary", "parallelize", "value_and_grad",
+    "Auto", "CheckpointMismatchError", "Cluster", "CompareRow", "DataParallel", "Manual",
+    "NonFiniteGradientError", "ParallelizedStep", "Plan", "PlanMismatchError", "PlanningError",
+    "checkpoint", "compare", "distributed", "grad", "mark_layer_boundary", "parallelize",
+    "value_and_grad",
 ]

@@ -586,8 +586,11 @@ def cmd_launch(args) -> int:
     for r in results:
         note = " (the first to fail)" if r is first and len(failed) > 1 else ""
         print(f"{PROG} launch: {r.describe()}{note}", file=sys.stderr)
-    # The first failure's status, so a script's own exit code reaches the caller.
-    return next((r.returncode if r.returncode > 0 else 1 for r in results if not r.ok), 0)
+    if first is None:
+        return 0
+    # The first failure's status, so a script's own exit code reaches the caller (a
+    # process killed by a signal gives 1).
+    return first.returncode if first.returncode > 0 else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,17 @@ The planner runs once, on process 0; the others receive its plan through the coo
 service's key-value store (`share_from_first`), so every process executes the same plan even
 when a solver time limit would make independent runs differ.
 
+The runtimes move data with the helpers here, each written so that every process takes the
+same branches and runs the same collectives in the same order (a process that runs one the
+others do not waits forever):
+
+- `place`: arguments onto the plan's shardings, each process cutting its own shards from a
+  value all processes hold, without `jax.device_put`'s equality check (a collective that
+  can interleave with a step another process has already dispatched);
+- `process_rows`: the rows of a batch this process loads itself;
+- `on_every_process`: a result living on some processes (a pipeline's loss) copied to all;
+- `fetch`: any result as numpy on every process.
+
 Arguments left unset come from the variables the local launcher (`alpa_lite.launch`) sets,
 then from JAX's own cluster detection (SLURM, Open MPI, Kubernetes, ...).
 """
@@ -121,7 +132,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     host = transfer_host or env.get(ENV_TRANSFER_HOST) or _this_host()
     jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{_free_port(host)}")
-    jax.config.update("jax_cross_host_transfer_timeout_seconds", heartbeat_timeout_s * 6)
+    # A transfer whose peer has failed must not wait longer than the exit does.
+    jax.config.update("jax_cross_host_transfer_timeout_seconds", shutdown_timeout_s)
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes,
         process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_s,

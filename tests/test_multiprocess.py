@@ -126,7 +126,13 @@ def test_calibration_across_processes(tmp_path):
     assert cluster.inter_node is not None and "calibrated" in cluster.inter_node.name
 
 
-def test_launcher_refuses_bad_input():
+def test_launcher_refuses_bad_input(monkeypatch):
+    # Checked before anything is configured, so this process is left as it was.
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        al.distributed.initialize(heartbeat_timeout_s=0)
+    monkeypatch.setenv("ALPA_LITE_NUM_PROCESSES", "two")
+    with pytest.raises(ValueError, match="ALPA_LITE_NUM_PROCESSES='two'"):
+        al.distributed.initialize()
     with pytest.raises(ValueError, match="num_processes"):
         LocalJob([sys.executable, WORKER], num_processes=0)
     with pytest.raises(ValueError, match="non-empty list"):
