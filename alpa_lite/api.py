@@ -200,7 +200,8 @@ class ParallelizedStep:
         """The same step with another method, sharing this step's traces (tracing a large
         model takes seconds; `alpa_lite.compare` plans one step many ways)."""
         other = ParallelizedStep(self.fn, method, self.cluster, self.batch_argnums,
-                                 compression=self.compression, on_nonfinite=self.on_nonfinite)
+                                 compression=self.compression, on_nonfinite=self.on_nonfinite,
+                                 compression_seed=self.compression_seed)
         # The caches are keyed by argument signature (and micro-batch count), not by
         # method, so the dicts themselves are shared.
         other._traces = self._traces
