@@ -52,6 +52,7 @@ returns the same cluster (plans check cluster fingerprints). The library prints 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 import time
@@ -72,6 +73,7 @@ from alpa_lite.cost_models.calibration import (
 from alpa_lite.cost_models.cluster import Cluster, LinkSpec
 from alpa_lite.cost_models.collectives import CollectiveKind
 from alpa_lite.cost_models.devices import DEVICES, DeviceSpec
+from alpa_lite.distributed import share_from_first
 from alpa_lite.progress import Progress, report
 
 __all__ = ["calibrate", "CalibrationReport", "MatmulSample", "TimedSample", "LinkReport"]
@@ -448,14 +450,13 @@ def _per_op(call_s: float, dispatch_s: float, chain: int) -> float:
 
 
 def _share_timings(dispatch_s, matmuls, memory, raw_links):
-    """Process 0's timings on every process (a no-op with one process)."""
-    if jax.process_count() == 1:
-        return dispatch_s, matmuls, memory, raw_links
-    from jax.experimental import multihost_utils
+    """Process 0's timings on every process (as measured, with one process).
 
+    Through the coordination service, not a collective: a collective could interleave with
+    work another process has already dispatched (`alpa_lite.distributed`)."""
     flat = [dispatch_s] + [s.seconds for s in matmuls] + [s.seconds for s in memory] + \
         [s.seconds for _, _, samples in raw_links for s in samples]
-    shared = [float(v) for v in multihost_utils.broadcast_one_to_all(np.array(flat))]
+    shared = json.loads(share_from_first(lambda: json.dumps(flat)))
     it = iter(shared[1:])
     matmuls = [dataclasses.replace(s, seconds=next(it)) for s in matmuls]
     memory = [dataclasses.replace(s, seconds=next(it)) for s in memory]

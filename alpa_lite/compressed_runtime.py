@@ -212,12 +212,16 @@ class CompressedExecutable:
         if self._state is None:
             raise ValueError("run one step before restoring the compression state: its "
                              "shapes come from the step's gradients")
-        want = jax.tree.structure(self._state)
-        if jax.tree.structure(state) != want:
+        self._put_state(state, self._state)
+
+    def _put_state(self, state, want) -> None:
+        """Places `state`, one row per device, after checking it against `want` (arrays or
+        ShapeDtypeStructs of the expected structure, shapes and dtypes)."""
+        if jax.tree.structure(state) != jax.tree.structure(want):
             raise ValueError(f"compression state has structure {jax.tree.structure(state)}, "
-                             f"expected {want}")
-        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(self._state)):
-            if a.shape != b.shape or a.dtype != b.dtype:
+                             f"expected {jax.tree.structure(want)}")
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+            if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
                 raise ValueError(f"compression state leaf {a.shape} {a.dtype} does not match "
                                  f"{b.shape} {b.dtype}")
         sharding = NamedSharding(self.mesh, P(WORKERS))
@@ -279,14 +283,6 @@ class CompressedExecutable:
           key: the base PRNG key of the compressors' random choices.
           replicas: delayed averaging: {argument leaf index: per-worker copies, stacked}.
         """
-        want = self.state_shapes(*args)
-        if jax.tree.structure(state) != jax.tree.structure(want):
-            raise ValueError(f"compression state has structure {jax.tree.structure(state)}, "
-                             f"expected {jax.tree.structure(want)}")
-        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
-            if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-                raise ValueError(f"compression state leaf {a.shape} {a.dtype} does not match "
-                                 f"{b.shape} {b.dtype}")
         flat = jax.tree.leaves(args)
         n = self.num_nodes * self.local
         for j, r in replicas.items():
@@ -297,8 +293,8 @@ class CompressedExecutable:
             if tuple(r.shape) != (n,) + tuple(flat[j].shape):
                 raise ValueError(f"per-worker copies of argument leaf {j} have shape "
                                  f"{r.shape}, expected {(n,) + tuple(flat[j].shape)}")
+        self._put_state(state, self.state_shapes(*args))
         sharding = NamedSharding(self.mesh, P(WORKERS))
-        self._state = jax.tree.map(lambda x: place(x, sharding), state)
         self.step = int(step_count)
         self.base_key = key
         self._replicas = {j: place(r, sharding) for j, r in replicas.items()}

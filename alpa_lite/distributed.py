@@ -271,9 +271,14 @@ def _replicated(devices) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
+def _identity(x):
+    return x
+
+
 def _replicated_on_own_devices(v: jax.Array) -> jax.Array:
-    # Runs on the processes holding `v` only; the others take part in name.
-    return jax.jit(lambda x: x, out_shardings=_replicated(_device_list(v)))(v)
+    # Runs on the processes holding `v` only; the others take part in name. One module-level
+    # function, so JAX's caches compile each (shape, sharding) once, not once per call.
+    return jax.jit(_identity, out_shardings=_replicated(_device_list(v)))(v)
 
 
 def share_from_first(make: Callable[[], str],

@@ -91,9 +91,10 @@ class LocalJob:
         if isinstance(command, str) or not command:
             raise ValueError(f"command must be a non-empty list of strings such as "
                              f"[sys.executable, 'train.py'], got {command!r}")
-        for name, v in (("num_processes", num_processes), ("cpu_devices", cpu_devices)):
-            if v is None and name == "cpu_devices":
-                continue
+        checked = [("num_processes", num_processes)]
+        if cpu_devices is not None:
+            checked.append(("cpu_devices", cpu_devices))
+        for name, v in checked:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         self.command = [str(c) for c in command]

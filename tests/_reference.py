@@ -9,21 +9,26 @@ import optax
 STEPS = 5
 
 
-@functools.lru_cache(maxsize=None)
-def reference_run(example: str):
-    """The tiny config of `example`, trained STEPS SGD-momentum steps by plain jax.jit.
-
-    Returns (step function, (params, opt_state, batch), losses, final params).
-    """
+def example_step(example: str):
+    """The plain train step of `example`'s tiny config with SGD momentum, and its first
+    arguments: (step function, (params, opt_state, batch))."""
     mod = importlib.import_module(example)
     cfg = mod.CONFIGS["tiny"]
     tx = optax.sgd(1e-2, momentum=0.9)
     params = mod.init_params(cfg, jax.random.PRNGKey(0))
     batch = mod.make_batch(cfg, cfg.batch_size, jax.random.PRNGKey(1))
-    opt_state = tx.init(params)
-    step = mod.make_train_step(cfg, tx)
-    p, _, losses = run_steps(jax.jit(step), (params, opt_state, batch))
-    return step, (params, opt_state, batch), losses, p
+    return mod.make_train_step(cfg, tx), (params, tx.init(params), batch)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_run(example: str):
+    """`example_step(example)` trained STEPS steps by plain jax.jit.
+
+    Returns (step function, (params, opt_state, batch), losses, final params).
+    """
+    step, args = example_step(example)
+    p, _, losses = run_steps(jax.jit(step), args)
+    return step, args, losses, p
 
 
 def run_steps(step, args, n: int = STEPS):

@@ -20,7 +20,6 @@ Each joins the job with `alpa_lite.distributed.initialize()`.
 The test compares the results with the single-process `jax.jit` run.
 """
 
-import importlib
 import pathlib
 import sys
 
@@ -31,13 +30,12 @@ al.distributed.initialize()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE))
 
-from _reference import STEPS, run_steps  # noqa: E402
+from _reference import STEPS, example_step, run_steps  # noqa: E402
 
 METHODS = {
     "dp": lambda: al.DataParallel(),
@@ -52,18 +50,12 @@ METHODS = {
 
 
 def setup(example: str, method: str):
-    """The example's tiny config, its initial arguments and its step under `method`, made
-    exactly as `_reference.reference_run` makes them."""
-    mod = importlib.import_module(example)
-    cfg = mod.CONFIGS["tiny"]
-    tx = optax.sgd(1e-2, momentum=0.9)
-    params = mod.init_params(cfg, jax.random.PRNGKey(0))
-    batch = mod.make_batch(cfg, cfg.batch_size, jax.random.PRNGKey(1))
-    method = METHODS[method]()
-    method, compression = method if isinstance(method, tuple) else (method, None)
-    step = al.parallelize(mod.make_train_step(cfg, tx), method=method,
-                          compression=compression)
-    return step, (params, tx.init(params), batch)
+    """The example's step (as `_reference.reference_run` trains it) under `method`, and its
+    first arguments."""
+    step_fn, args = example_step(example)
+    made = METHODS[method]()
+    method, compression = made if isinstance(made, tuple) else (made, None)
+    return al.parallelize(step_fn, method=method, compression=compression), args
 
 
 def processes_of(x) -> str:
