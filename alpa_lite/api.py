@@ -220,7 +220,25 @@ class ParallelizedStep:
             self._last_compressed = exe
         return exe(*args)
 
+    @property
+    def built_plans(self) -> tuple[Plan, ...]:
+        """The plans of the executables built so far, one per argument signature."""
+        return tuple(exe.plan for exe in self._executables.values())
+
     # ---- compressor state (residuals, warm starts, delayed queues) ----------------------
+
+    @property
+    def active_compressed(self) -> CompressedExecutable | None:
+        """The compressed executable whose state `compression_state` shows: the last
+        one called, or the one a checkpoint was restored into; None before either."""
+        return self._last_compressed
+
+    @active_compressed.setter
+    def active_compressed(self, exe: CompressedExecutable) -> None:
+        if not any(exe is e for e in self._executables.values()):
+            raise ValueError("active_compressed must be one of this step's own executables "
+                             "(step.executable(*args))")
+        self._last_compressed = exe
 
     def _compressed(self) -> CompressedExecutable:
         if self._last_compressed is None:

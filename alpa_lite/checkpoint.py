@@ -389,9 +389,9 @@ def _plans(step: ParallelizedStep | None) -> list[dict]:
     if step is None:
         return []
     out = []
-    for exe in step._executables.values():     # one per argument signature
-        text = exe.plan.to_json()
-        out.append({"method": exe.plan.method, "cluster": exe.plan.cluster_name,
+    for plan in step.built_plans:
+        text = plan.to_json()
+        out.append({"method": plan.method, "cluster": plan.cluster_name,
                     "fingerprint": hashlib.sha256(text.encode()).hexdigest()[:16],
                     "plan": json.loads(text)})
     return out
@@ -401,7 +401,7 @@ def _plans(step: ParallelizedStep | None) -> list[dict]:
 
 def _compressor_to_save(step: ParallelizedStep, leaves) -> tuple[dict | None, dict]:
     """(the compressor's JSON record, its arrays by storage name) for `step`."""
-    exe = step._last_compressed                 # the executable of the last compressed call
+    exe = step.active_compressed
     if exe is None or exe.state() is None:
         if step.compression is None:
             return None, {}
@@ -520,7 +520,7 @@ def _restore_compressor(step: ParallelizedStep, exe: CompressedExecutable, saved
     # The replicas go on only when the next call passes these very arrays (see
     # CompressedExecutable._prepare), so the executable is handed the restored leaves.
     exe.restore_checkpoint(args, state, saved["step"], key, replicas)
-    step._last_compressed = exe                 # so step.compression_state shows it
+    step.active_compressed = exe                # so step.compression_state shows it
 
 
 def _abstract(tree):

@@ -233,6 +233,7 @@ def _fetch_leaf(x: Any) -> Any:
     if value is not None:
         return value
     data = client.blocking_key_value_get_bytes(key, SHARE_TIMEOUT_S * 1000)
+    _done_reading(client, key, jax.process_count() - len(holders))
     return np.frombuffer(data, dtype=x.dtype).reshape(x.shape).copy()
 
 
@@ -304,6 +305,7 @@ def share_from_first(make: Callable[[], str],
         client.key_value_set(key, "T" + text)
         return text
     got = client.blocking_key_value_get(key, SHARE_TIMEOUT_S * 1000)
+    _done_reading(client, key, jax.process_count() - 1)
     if got.startswith("E"):
         name, _, message = got[1:].partition("\n")
         for cls in errors:
@@ -312,6 +314,14 @@ def share_from_first(make: Callable[[], str],
         raise RuntimeError(f"process 0 failed where this process waits for its result: "
                            f"{name}: {message}")
     return got[1:]
+
+
+def _done_reading(client, key: str, readers: int) -> None:
+    # The coordination service keeps every key until the job ends; a long run that fetches
+    # each step would grow it without bound. The last of the `readers` to read deletes it.
+    if client.key_value_increment(f"{key}/read", 1) == readers:
+        client.key_value_delete(key)
+        client.key_value_delete(f"{key}/read")
 
 
 def _client():

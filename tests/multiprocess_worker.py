@@ -116,6 +116,12 @@ def main() -> None:
             example, method, *feed = item.split(":")
             train(example, method, pathlib.Path(rest[0]), *feed)
             print(f"done {item}", flush=True)
+        # Every value shared through the coordination service was read and deleted.
+        client = al.distributed._client()
+        client.wait_at_barrier("alpa_lite_test/trained", 60_000)
+        left = [k for k, _ in client.key_value_dir_get_bytes("alpa_lite/")]
+        if left:
+            raise SystemExit(f"the key-value store still holds {len(left)} keys: {left[:3]}")
     elif mode == "restore":
         for item in rest[2:]:
             restore(pathlib.Path(rest[0]), pathlib.Path(rest[1]), *item.split(":"))

@@ -117,7 +117,9 @@ def test_compressed_step_continues_bit_identically(tmp_path, compression):
     assert losses == losses_ref
     assert_trees_equal((p, s), (p_ref, s_ref))
     assert_trees_equal(step.compression_state, ref_step.compression_state)
-    assert step._last_compressed.step == ref_step._last_compressed.step == before + after
+    assert step.active_compressed.step == ref_step.active_compressed.step == before + after
+    with pytest.raises(ValueError, match="one of this step's own executables"):
+        step.active_compressed = ref_step.active_compressed
 
 
 def test_reset_starts_the_compressor_fresh_and_says_so(tmp_path):
@@ -127,7 +129,7 @@ def test_reset_starts_the_compressor_fresh_and_says_so(tmp_path):
         restore_and_continue(tmp_path, al.DataParallel(), C.TopK(0.25), after=0)
     step, _, _ = restore_and_continue(tmp_path, al.DataParallel(), C.TopK(0.25), after=0,
                                       compression_state="reset")
-    assert step._last_compressed is None or step._last_compressed.step == 0
+    assert step.active_compressed is None or step.active_compressed.step == 0
     # Two "nodes" of four: the same 8 devices, but the exchange (and its state) differ.
     step_fn, args, _, _ = reference_run("mlp")
     other = al.parallelize(step_fn, method=al.DataParallel(), cluster=nodes(2),
