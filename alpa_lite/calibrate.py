@@ -27,12 +27,17 @@ machine's cores, so one device alone would look several times faster than it is 
   ~1 against ~9 GB/s per device). ``c`` (the fixed cost of an element-wise kernel) is
   reported, not used: XLA fuses element-wise ops, so the traced equations overstate their
   kernel count (``compute.py``);
-- links: a chain of R dependent all-reduces (``lax.psum``) of several sizes over the local
-  devices (the intra-node link) and, when there are several JAX processes, over the
-  process axis with every local device in its own group (the inter-node link); alpha and
-  beta fitted with the ring formula ``collectives.py`` prices all-reduces with
-  (``fit_link``). (Consecutive psums are not folded by XLA: the compiled HLO keeps R
-  all-reduces.)
+- links: for each collective the planner prices (all-reduce, all-gather, reduce-scatter,
+  all-to-all, send/recv as a ``ppermute`` ring shift), a chain of R dependent ones of
+  several sizes over the local devices (the intra-node link) and, when there are several
+  JAX processes, over the process axis with every local device in its own group (the
+  inter-node link). Each collective's alpha and beta are fitted with the formula
+  ``collectives.py`` prices it with (``fit_link_collectives``): the all-reduce's become the
+  link's figures, the others its measured collectives, since they differ by more than their
+  formulas say (``cluster.py``, "Measured collectives"). A chain keeps its R collectives
+  dependent: an all-gather's next input is a block of its output, a reduce-scatter's
+  output is written back into its next input; the compiled HLO is checked to hold all R,
+  so XLA folding one away is an error, not a wrong figure.
 
 Timing: one call compiles, one more warms up, then the median of ``repeats`` calls, each
 ended by ``jax.block_until_ready``; the coefficient of variation is kept in the report.
@@ -54,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -66,7 +72,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from alpa_lite.cost_models.calibration import (
     CollectiveSample,
     best_flop_rate,
-    fit_link,
+    fit_link_collectives,
     fit_matmul_efficiency_curve,
     fit_memory_bandwidth,
 )
@@ -101,19 +107,24 @@ _GPU_SHAPES_QUICK = ((512, 512, 512), (2048, 2048, 2048), (8192, 8192, 8192),
 # by ~0.1 ms, DESIGN.md), small enough to keep calibration within a minute.
 _CHAIN_TARGET_S = {"cpu": 5e-3, "gpu": 2e-3}
 _MAX_CHAIN = 64
-# Element-wise pass sizes (float32 elements per device) and all-reduce sizes (bytes per
-# device).
+# Element-wise pass sizes (float32 elements per device) and collective sizes (bytes as
+# collectives.py counts each collective's).
 _CPU_MEMORY_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20)
 _CPU_MEMORY_SIZES_QUICK = (1 << 14, 1 << 18)
 _GPU_MEMORY_SIZES = (1 << 24, 1 << 26, 1 << 28)
-_CPU_ALLREDUCE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
-_CPU_ALLREDUCE_BYTES_QUICK = (1 << 12, 1 << 18, 1 << 22)
-_GPU_ALLREDUCE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 28)
+_CPU_COLLECTIVE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+_CPU_COLLECTIVE_BYTES_QUICK = (1 << 12, 1 << 18, 1 << 22)
+_GPU_COLLECTIVE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 28)
 _REPEATS = {False: 5, True: 3}  # timed calls per measurement (quick: 3)
 # Rough per-device rates used only to choose chain lengths (never as results): CPU ~30
 # GFLOP/s (measured here with 8 virtual devices on 2 cores), GPUs ~100 TFLOP/s.
 _GUESS_FLOPS_PER_S = {"cpu": 3e10, "gpu": 1e14}
-_GUESS_ALLREDUCE_S = {"cpu": 3e-4, "gpu": 3e-5}
+_GUESS_COLLECTIVE_S = {"cpu": 3e-4, "gpu": 3e-5}
+# The op name each collective has in compiled HLO (async forms end in "-start").
+_HLO_OP = {CollectiveKind.ALL_REDUCE: "all-reduce", CollectiveKind.ALL_GATHER: "all-gather",
+           CollectiveKind.REDUCE_SCATTER: "reduce-scatter",
+           CollectiveKind.ALL_TO_ALL: "all-to-all",
+           CollectiveKind.SEND_RECV: "collective-permute"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,12 +158,15 @@ class MatmulSample:
 
 @dataclasses.dataclass(frozen=True)
 class LinkReport:
-    """A fitted link: ``level`` ("intra_node" or "inter_node"), the devices in one group,
-    the all-reduce timings, the fitted ``LinkSpec`` and its relative error per timing.
-    A level with one device per group (a single GPU) is not timed and has no report: its
-    link stays ``Cluster.local()``'s."""
+    """One collective timed on one link: ``level`` ("intra_node" or "inter_node"), the
+    ``collective`` (a ``CollectiveKind`` value), the devices in one group, the timings
+    (``nbytes`` as ``collectives.py`` counts that collective's bytes), the alpha and beta
+    fitted to them as a ``LinkSpec``, and its relative error per timing. A level with one
+    device per group (a single GPU) is not timed and has no report: its link stays
+    ``Cluster.local()``'s."""
 
     level: str
+    collective: str
     group_size: int
     samples: tuple[TimedSample, ...]
     link: LinkSpec
@@ -243,9 +257,9 @@ def calibrate(devices: Sequence[jax.Device] | None = None, *, quick: bool = Fals
 
     if kind == "cpu":
         mem_sizes = _CPU_MEMORY_SIZES_QUICK if quick else _CPU_MEMORY_SIZES
-        ar_sizes = _CPU_ALLREDUCE_BYTES_QUICK if quick else _CPU_ALLREDUCE_BYTES
+        ar_sizes = _CPU_COLLECTIVE_BYTES_QUICK if quick else _CPU_COLLECTIVE_BYTES
     else:
-        mem_sizes, ar_sizes = _GPU_MEMORY_SIZES, _GPU_ALLREDUCE_BYTES
+        mem_sizes, ar_sizes = _GPU_MEMORY_SIZES, _GPU_COLLECTIVE_BYTES
     memory = []
     for i, size in enumerate(mem_sizes):
         report(progress, MEMORY, i, len(mem_sizes))
@@ -261,15 +275,17 @@ def calibrate(devices: Sequence[jax.Device] | None = None, *, quick: bool = Fals
                          for p in range(jax.process_count())])
         levels.append(("inter_node", Mesh(grid, ("node", "d")), "node", jax.process_count()))
     raw_links = []
-    total = len(levels) * len(ar_sizes)
+    total = len(levels) * len(CollectiveKind) * len(ar_sizes)
     done = 0
     for level, m, axis, n in levels:
-        samples = []
-        for nbytes in ar_sizes:
-            report(progress, LINKS, done, total)
-            samples.append(_time_all_reduce(m, axis, nbytes, kind, dispatch_s, repeats))
-            done += 1
-        raw_links.append((level, n, samples))
+        for collective in CollectiveKind:
+            samples = []
+            for nbytes in ar_sizes:
+                report(progress, LINKS, done, total)
+                samples.append(_time_collective(m, axis, collective, nbytes, kind, dispatch_s,
+                                                repeats))
+                done += 1
+            raw_links.append((level, n, collective, samples))
     report(progress, LINKS, total, total)
 
     # Multi-controller: every process fits process 0's numbers (module docstring).
@@ -316,12 +332,17 @@ def _fit(local: Cluster, platform: str, device_kind: str, dtype: str, quick: boo
     link_reports = []
     fitted: dict[str, LinkSpec] = {}
     nominal = {"intra_node": local.intra_node, "inter_node": local.inter_node}
-    for level, n, samples in raw_links:
-        fit = fit_link([CollectiveSample(CollectiveKind.ALL_REDUCE, n, s.nbytes, s.seconds)
-                        for s in samples], f"{nominal[level].name}-calibrated")
-        fitted[level] = fit.link
-        link_reports.append(LinkReport(level, n, tuple(samples), fit.link,
-                                       fit.relative_errors))
+    for level in dict.fromkeys(level for level, *_ in raw_links):
+        timed = {collective: (n, samples) for lv, n, collective, samples in raw_links
+                 if lv == level}
+        fitted[level], fits = fit_link_collectives(
+            [CollectiveSample(collective, n, s.nbytes, s.seconds)
+             for collective, (n, samples) in timed.items() for s in samples],
+            f"{nominal[level].name}-calibrated")
+        for collective, fit in fits:
+            n, samples = timed[collective]
+            link_reports.append(LinkReport(level, collective.value, n, tuple(samples),
+                                           fit.link, fit.relative_errors))
     cluster = Cluster(
         name=f"{local.name}-calibrated",
         device=device,
@@ -421,24 +442,55 @@ def _time_elementwise(mesh: Mesh, size: int, kind: str, dispatch_s: float,
     return TimedSample(nbytes, _per_op(t, dispatch_s, chain), chain, cv)
 
 
-def _time_all_reduce(mesh: Mesh, axis: str, nbytes: int, kind: str, dispatch_s: float,
-                     repeats: int) -> TimedSample:
-    # Zeros stay zeros through any number of sums; the compiler cannot know they are zeros.
-    elems = max(1, nbytes // 4)
-    guess = _GUESS_ALLREDUCE_S[kind] + nbytes / (1e9 if kind == "cpu" else 1e11)
+def _time_collective(mesh: Mesh, axis: str, collective: CollectiveKind, nbytes: int,
+                     kind: str, dispatch_s: float, repeats: int) -> TimedSample:
+    """A chain of `collective`s over `axis` (module docstring); ``nbytes`` as
+    ``collectives.py`` counts the collective's bytes (an all-gather's result, a
+    reduce-scatter's input, the per-device buffer of the others)."""
+    n = mesh.shape[axis]
+    whole = collective in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER,
+                           CollectiveKind.ALL_TO_ALL)
+    block = max(1, nbytes // (4 * n)) if whole else max(1, nbytes // 4)   # float32 elements
+    elems = block if collective is CollectiveKind.ALL_GATHER else \
+        (n * block if whole else block)                                  # per device input
+    counted = 4.0 * (n * block if whole else block)
+    guess = _GUESS_COLLECTIVE_S[kind] + counted / (1e9 if kind == "cpu" else 1e11)
     chain = min(8, _chain_length(guess, kind))
+    # Zeros stay zeros through any collective; the compiler cannot know they are zeros.
     x = jax.device_put(np.zeros((mesh.size * elems,), np.float32),
                        NamedSharding(mesh, P(mesh.axis_names)))
 
     def body(v):
+        i = jax.lax.axis_index(axis)
         for _ in range(chain):
-            v = jax.lax.psum(v, axis)
+            if collective is CollectiveKind.ALL_REDUCE:
+                v = jax.lax.psum(v, axis)
+            elif collective is CollectiveKind.ALL_GATHER:
+                # Another device's block of the result: own block would let XLA drop the
+                # gather.
+                y = jax.lax.all_gather(v, axis, tiled=True)
+                v = jax.lax.dynamic_slice(y, (((i + 1) % n) * block,), (block,))
+            elif collective is CollectiveKind.REDUCE_SCATTER:
+                y = jax.lax.psum_scatter(v, axis, tiled=True)
+                v = jax.lax.dynamic_update_slice(v, y, (i * block,))
+            elif collective is CollectiveKind.ALL_TO_ALL:
+                v = jax.lax.all_to_all(v, axis, 0, 0, tiled=True)
+            else:
+                v = jax.lax.ppermute(v, axis, [(j, (j + 1) % n) for j in range(n)])
         return v
 
     spec = P(mesh.axis_names)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    op = _HLO_OP[collective]
+    found = len(re.findall(rf"[ =]{op}(?:-start)?\(", fn.lower(x).compile().as_text()))
+    if found < chain:
+        raise RuntimeError(
+            f"calibrate: the compiled chain of {chain} {collective.value}s over {n} devices "
+            f"holds {found} {op} ops: XLA merged or dropped some, so its time would not "
+            f"measure the link. Please report this with your JAX version "
+            f"({jax.__version__}).")
     t, cv = _time_calls(fn, x, repeats=repeats)
-    return TimedSample(float(elems * 4), _per_op(t, dispatch_s, chain), chain, cv)
+    return TimedSample(counted, _per_op(t, dispatch_s, chain), chain, cv)
 
 
 def _per_op(call_s: float, dispatch_s: float, chain: int) -> float:
@@ -455,11 +507,12 @@ def _share_timings(dispatch_s, matmuls, memory, raw_links):
     Through the coordination service, not a collective: a collective could interleave with
     work another process has already dispatched (`alpa_lite.distributed`)."""
     flat = [dispatch_s] + [s.seconds for s in matmuls] + [s.seconds for s in memory] + \
-        [s.seconds for _, _, samples in raw_links for s in samples]
+        [s.seconds for *_, samples in raw_links for s in samples]
     shared = json.loads(share_from_first(lambda: json.dumps(flat)))
     it = iter(shared[1:])
     matmuls = [dataclasses.replace(s, seconds=next(it)) for s in matmuls]
     memory = [dataclasses.replace(s, seconds=next(it)) for s in memory]
-    raw_links = [(level, n, [dataclasses.replace(s, seconds=next(it)) for s in samples])
-                 for level, n, samples in raw_links]
+    raw_links = [(level, n, collective,
+                  [dataclasses.replace(s, seconds=next(it)) for s in samples])
+                 for level, n, collective, samples in raw_links]
     return shared[0], matmuls, memory, raw_links

@@ -510,7 +510,7 @@ def cmd_calibrate(args) -> int:
 
 def calibration_tables(report) -> list[Table]:
     """What `alpa-lite calibrate` prints: matmul timings and the fitted efficiency curve,
-    element-wise passes and memory bandwidth, all-reduce timings and the fitted links."""
+    element-wise passes and memory bandwidth, collective timings and the fitted links."""
     def rate(x: float) -> str:
         return f"{x / 1e12:.4g} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.4g} GFLOP/s"
 
@@ -549,16 +549,22 @@ def calibration_tables(report) -> list[Table]:
     for s in report.memory:
         mem.add_row(f"{s.nbytes:.3g}", dur(s.seconds), f"{s.nbytes / s.seconds / 1e9:.3g}",
                     str(s.repeats), f"{s.cv:.2f}")
-    links = Table(title="all-reduce (ring model: 2(n-1) alpha + 2(n-1)/n M / B)")
-    for col in ("link", "n", "bytes/device", "measured", "fitted", "error", "cv"):
-        links.add_column(col, justify="left" if col == "link" else "right", no_wrap=True)
+    links = Table(title="collectives (each fitted with its own formula, cost_models/"
+                        "collectives.py; the all-reduce fit is the link's own alpha and B)",
+                  caption="bytes as the model counts them: an all-gather's result, a "
+                          "reduce-scatter's input, the per-device buffer of the others",
+                  caption_justify="left")
+    for col in ("link", "collective", "n", "bytes", "measured", "fitted", "error", "cv"):
+        links.add_column(col, justify="left" if col in ("link", "collective") else "right",
+                         no_wrap=True)
     for r in report.links:
         for s, err in zip(r.samples, r.relative_errors):
-            links.add_row(f"{r.level}: {r.link.name}", str(r.group_size), f"{s.nbytes:.3g}",
+            links.add_row(r.level, r.collective, str(r.group_size), f"{s.nbytes:.3g}",
                           dur(s.seconds), dur(s.seconds * (1 + err)), f"{err:+.0%}",
                           f"{s.cv:.2f}")
-        links.add_row(f"{r.level} fit", "", "", "", f"alpha {dur(r.link.latency_s)}",
-                      f"B {r.link.bandwidth_bytes_per_s / 1e9:.3g} GB/s", "")
+        links.add_row(r.level, f"{r.collective} fit", "", "", "",
+                      f"alpha {dur(r.link.latency_s)}",
+                      f"B {r.link.bandwidth_bytes_per_s / 1e9:.3g} GB/s", "", end_section=True)
     if not report.links:
         links.caption = "no link timed: one device per process (the nominal links are kept)"
     return [mm, curve, mem, links]

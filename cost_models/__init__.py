@@ -4,6 +4,7 @@ calibration fits (``calibration.py``) (no PuLP here)."""
 from alpa_lite.cost_models.cluster import CLUSTER_JSON_FORMAT as CLUSTER_JSON_FORMAT
 from alpa_lite.cost_models.cluster import Cluster as Cluster
 from alpa_lite.cost_models.cluster import LinkSpec as LinkSpec
+from alpa_lite.cost_models.cluster import MeasuredCollective as MeasuredCollective
 from alpa_lite.cost_models.collectives import AllReduceAlgorithm as AllReduceAlgorithm
 from alpa_lite.cost_models.collectives import AxisTopology as AxisTopology
 from alpa_lite.cost_models.collectives import CollectiveKind as CollectiveKind
@@ -34,6 +35,7 @@ __all__ = [
     "CollectiveKind",
     "DeviceSpec",
     "LinkSpec",
+    "MeasuredCollective",
     "Schedule",
     "ScheduleResult",
     "StageTiming",

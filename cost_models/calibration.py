@@ -17,6 +17,8 @@ measurement it came from when it goes back through the model:
   e.g. ring all-reduce ``a = 2(n-1)``, ``b = 2(n-1)/n * M``. The coefficients are read off
   ``collectives.collective_time`` itself (evaluated on unit links), so the fit uses exactly
   the formulas the planner prices with, and ``alpha, B`` follow by least squares.
+  :func:`fit_link_collectives` fits each collective timed on a link on its own: the
+  all-reduce fit becomes the link's figures, the others its ``MeasuredCollective`` records.
 * Memory bandwidth (``compute.py``'s memory term): an element-wise pass over ``M`` bytes
   (read plus written) takes ``t = c + M / B_mem``; ``B_mem`` and ``c`` by least squares.
 
@@ -31,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from alpa_lite.cost_models.cluster import LinkSpec
+from alpa_lite.cost_models.cluster import LinkSpec, MeasuredCollective
 from alpa_lite.cost_models.collectives import AxisTopology, CollectiveKind, collective_time
 from alpa_lite.cost_models.devices import _require_int, _require_name, _require_positive
 
@@ -43,6 +45,7 @@ __all__ = [
     "fit_matmul_efficiency_curve",
     "collective_coefficients",
     "fit_link",
+    "fit_link_collectives",
     "fit_memory_bandwidth",
 ]
 
@@ -363,6 +366,61 @@ def fit_link(samples: Sequence[CollectiveSample], name: str) -> LinkFit:
     )
     errors = tuple(p / s.seconds - 1.0 for p, s in zip(predicted, samples))
     return LinkFit(link, predicted, errors)
+
+
+def fit_link_collectives(
+    samples: Sequence[CollectiveSample], name: str
+) -> tuple[LinkSpec, tuple[tuple[CollectiveKind, LinkFit], ...]]:
+    """Fits every collective timed on one link on its own (:func:`fit_link` per kind).
+
+    The all-reduce fit gives the link's ``latency_s`` and ``bandwidth_bytes_per_s`` (the
+    figures a preset link has, and what a collective without timings is priced with); each
+    other collective's fit becomes a ``MeasuredCollective`` of the link.
+
+    Returns:
+      ``(link, ((kind, fit), ...))``, the fits in ``CollectiveKind`` order.
+
+    Raises:
+      ValueError: without all-reduce samples, or when a collective's fit fails
+        (:func:`fit_link`; the message names the collective).
+
+    Example (all-gather twice as slow per byte as the all-reduce's link):
+      >>> ar = [CollectiveSample(CollectiveKind.ALL_REDUCE, 4, m, 6e-5 + 1.5 * m / 1e9)
+      ...       for m in (1e3, 1e6)]
+      >>> ag = [CollectiveSample(CollectiveKind.ALL_GATHER, 4, m, 3e-5 + 0.75 * m / 5e8)
+      ...       for m in (1e3, 1e6)]
+      >>> link, fits = fit_link_collectives(ar + ag, "l")
+      >>> round(link.bandwidth_bytes_per_s / 1e9, 6), len(fits)
+      (1.0, 2)
+      >>> round(link.for_collective("all-gather").bandwidth_bytes_per_s / 1e9, 6)
+      0.5
+    """
+    owner = "fit_link_collectives"
+    samples = list(samples)
+    if not all(isinstance(s, CollectiveSample) for s in samples):
+        raise ValueError(f"{owner}: samples must be CollectiveSample records, got {samples!r}.")
+    fits = []
+    for kind in CollectiveKind:
+        mine = [s for s in samples if s.kind is kind]
+        if not mine:
+            continue
+        try:
+            fits.append((kind, fit_link(mine, f"{name}:{kind.value}")))
+        except ValueError as e:
+            raise ValueError(f"{owner}: {kind.value}: {e}") from None
+    by_kind = dict(fits)
+    if CollectiveKind.ALL_REDUCE not in by_kind:
+        raise ValueError(
+            f"{owner}: no all-reduce samples; the all-reduce fit is the link's own figures, "
+            f"so time all-reduces too."
+        )
+    base = by_kind[CollectiveKind.ALL_REDUCE].link
+    measured = tuple(
+        MeasuredCollective(kind.value, fit.link.bandwidth_bytes_per_s, fit.link.latency_s)
+        for kind, fit in fits if kind is not CollectiveKind.ALL_REDUCE
+    )
+    link = LinkSpec(name, base.bandwidth_bytes_per_s, base.latency_s, measured)
+    return link, tuple(fits)
 
 
 # --------------------------------------------------------------------------------------

@@ -27,6 +27,17 @@ node's link. With one NIC per GPU (DGX A100/H100) the per-NIC busbw is the per-d
 
 Latency (alpha) per message is taken from NCCL's own tuning model (src/graph/tuning.cc,
 ``hwLat``, Ring/Simple protocol, per ring step): 5.7 us on NVLink, 6.6 us on the network.
+
+Measured collectives
+--------------------
+A preset link has one alpha and one beta, and every collective is priced from them with its
+own formula (``collectives.py``). On real hardware the collectives differ by more than their
+formulas say (on the 8 virtual CPU devices here, against the all-reduce's link: all-to-all
+2.4x and reduce-scatter 1.4x less bandwidth, send/recv 26x the latency per message, in
+``bench/results/fidelity_cpu.json``). Calibration therefore times each collective
+and records, besides the all-reduce fit as the link's own figures, a
+:class:`MeasuredCollective` per other collective; ``LinkSpec.for_collective`` gives the
+figures a collective is priced with.
 """
 
 from __future__ import annotations
@@ -46,10 +57,60 @@ from alpa_lite.cost_models.devices import (
     _require_positive,
 )
 
-__all__ = ["LinkSpec", "Cluster", "CLUSTER_JSON_FORMAT"]
+__all__ = ["LinkSpec", "MeasuredCollective", "COLLECTIVE_KINDS", "Cluster", "CLUSTER_JSON_FORMAT"]
 
 CLUSTER_JSON_FORMAT = "alpa_lite.cluster/1"
 """The ``"format"`` tag written by :meth:`Cluster.to_json` and required by ``from_json``."""
+
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send-recv")
+"""The collectives a link can carry measured figures for: the values of
+``collectives.CollectiveKind`` (which this module cannot import: it imports this one)."""
+
+
+@dataclass(frozen=True)
+class MeasuredCollective:
+    """One collective's own alpha and beta on a link, fitted to timings of that collective.
+
+    Attributes:
+      kind: One of ``COLLECTIVE_KINDS``.
+      bandwidth_bytes_per_s: Beta, in the convention of that collective's formula.
+      latency_s: Alpha, per step of that collective's formula.
+    """
+
+    kind: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVE_KINDS:
+            raise ValueError(
+                f"MeasuredCollective: kind = {self.kind!r} is not a collective; use one of "
+                f"{list(COLLECTIVE_KINDS)}."
+            )
+        owner = f"MeasuredCollective {self.kind!r}"
+        object.__setattr__(
+            self,
+            "bandwidth_bytes_per_s",
+            _require_positive(owner, "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s),
+        )
+        object.__setattr__(
+            self, "latency_s", _require_non_negative(owner, "latency_s", self.latency_s)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "latency_s": self.latency_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MeasuredCollective:
+        _check_keys(
+            "MeasuredCollective.from_dict", d, ("kind", "bandwidth_bytes_per_s", "latency_s")
+        )
+        return cls(d["kind"], d["bandwidth_bytes_per_s"], d["latency_s"])
 
 
 @dataclass(frozen=True)
@@ -61,11 +122,15 @@ class LinkSpec:
       bandwidth_bytes_per_s: Per device, one direction: the effective bandwidth a ring
         collective sees (= the published ring all-reduce bus bandwidth; module docstring).
       latency_s: Alpha, the fixed cost of one message (one ring step), in seconds.
+      measured: Collectives timed on this link with figures of their own (calibration;
+        module docstring); the others use ``bandwidth_bytes_per_s`` and ``latency_s``.
+        Kept in ``COLLECTIVE_KINDS`` order.
     """
 
     name: str
     bandwidth_bytes_per_s: float
     latency_s: float
+    measured: tuple[MeasuredCollective, ...] = ()
 
     def __post_init__(self) -> None:
         _require_name("LinkSpec", "name", self.name)
@@ -78,23 +143,65 @@ class LinkSpec:
         object.__setattr__(
             self, "latency_s", _require_non_negative(owner, "latency_s", self.latency_s)
         )
+        try:
+            measured = tuple(self.measured)
+        except TypeError:
+            measured = None
+        if measured is None or not all(isinstance(m, MeasuredCollective) for m in measured):
+            raise ValueError(
+                f"{owner}: measured must be a tuple of MeasuredCollective, got "
+                f"{self.measured!r}."
+            )
+        kinds = [m.kind for m in measured]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(
+                f"{owner}: measured lists a collective twice ({kinds}); give each one once."
+            )
+        object.__setattr__(
+            self, "measured", tuple(sorted(measured, key=lambda m: COLLECTIVE_KINDS.index(m.kind)))
+        )
+
+    def for_collective(self, kind: str) -> LinkSpec:
+        """The link as collective ``kind`` (a ``COLLECTIVE_KINDS`` value) is priced on it:
+        its measured figures if calibration timed it, else this link's own."""
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(
+                f"LinkSpec.for_collective: {kind!r} is not a collective; use one of "
+                f"{list(COLLECTIVE_KINDS)}."
+            )
+        for m in self.measured:
+            if m.kind == kind:
+                return LinkSpec(f"{self.name}:{kind}", m.bandwidth_bytes_per_s, m.latency_s)
+        return self
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; ``LinkSpec.from_dict(link.to_dict()) == link``."""
-        return {
+        """A JSON-ready dict; ``LinkSpec.from_dict(link.to_dict()) == link``. ``measured``
+        is written only when there is any, so a preset's JSON (and fingerprint) stays."""
+        d: dict[str, Any] = {
             "name": self.name,
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
             "latency_s": self.latency_s,
         }
+        if self.measured:
+            d["measured"] = [m.to_dict() for m in self.measured]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LinkSpec:
         """Builds a LinkSpec from :meth:`to_dict` output; strict about keys and values."""
-        _check_keys("LinkSpec.from_dict", d, ("name", "bandwidth_bytes_per_s", "latency_s"))
+        _check_keys("LinkSpec.from_dict", d, ("name", "bandwidth_bytes_per_s", "latency_s"),
+                    ("measured",))
+        measured = d.get("measured", [])
+        if not isinstance(measured, list):
+            raise ValueError(
+                f"LinkSpec.from_dict: 'measured' must be a list of collectives, got "
+                f"{type(measured).__name__}."
+            )
         return cls(
             name=d["name"],
             bandwidth_bytes_per_s=d["bandwidth_bytes_per_s"],
             latency_s=d["latency_s"],
+            measured=tuple(MeasuredCollective.from_dict(m) for m in measured),
         )
 
 

@@ -55,6 +55,11 @@ inside").
   part.
 * ``local_size == 1`` (a group spanning nodes with one device on each): all of the above
   reduce to the flat formula on the inter-node link, the slowest hop bounding the ring.
+
+Each formula takes its alpha and beta from ``link.for_collective(kind)``: a calibrated link
+carries figures fitted to timings of each collective (``cluster.py``, "Measured
+collectives"); a preset link gives every collective its own one alpha and beta. Inside a
+hierarchical all-reduce the local reduce-scatter and all-gather use theirs.
 """
 
 from __future__ import annotations
@@ -228,6 +233,7 @@ def _ceil_log2(n: int) -> int:
 def _flat_all_reduce(n: int, m: float, link: LinkSpec, algorithm: AllReduceAlgorithm) -> float:
     if n == 1 or m == 0.0:
         return 0.0
+    link = link.for_collective(CollectiveKind.ALL_REDUCE.value)
     a, b = link.latency_s, link.bandwidth_bytes_per_s
     if algorithm is AllReduceAlgorithm.RING:
         return 2 * (n - 1) * a + 2 * (n - 1) / n * m / b
@@ -243,10 +249,11 @@ def _flat_all_reduce(n: int, m: float, link: LinkSpec, algorithm: AllReduceAlgor
     )
 
 
-def _flat_one_pass(n: int, m: float, link: LinkSpec) -> float:
+def _flat_one_pass(n: int, m: float, link: LinkSpec, kind: CollectiveKind) -> float:
     """(n-1) steps moving (n-1)/n of M: all-gather, reduce-scatter, all-to-all."""
     if n == 1 or m == 0.0:
         return 0.0
+    link = link.for_collective(kind.value)
     return (n - 1) * link.latency_s + (n - 1) / n * m / link.bandwidth_bytes_per_s
 
 
@@ -291,9 +298,10 @@ def all_reduce_time(
     if topo.inter_node is None:
         return _flat_all_reduce(topo.size, m, topo.intra_node, algorithm)
     local = topo.local_size
-    inner = _flat_one_pass(local, m, topo.intra_node)  # reduce-scatter (and all-gather)
+    scatter = _flat_one_pass(local, m, topo.intra_node, CollectiveKind.REDUCE_SCATTER)
     outer = _flat_all_reduce(topo.num_nodes, m / local, topo.inter_node, algorithm)
-    return inner + outer + inner
+    gather = _flat_one_pass(local, m, topo.intra_node, CollectiveKind.ALL_GATHER)
+    return scatter + outer + gather
 
 
 def all_gather_time(nbytes: float, topo: AxisTopology) -> float:
@@ -301,11 +309,12 @@ def all_gather_time(nbytes: float, topo: AxisTopology) -> float:
     m = _check_args("all_gather_time", nbytes, topo)
     if topo.size == 1 or m == 0.0:
         return 0.0
+    kind = CollectiveKind.ALL_GATHER
     if topo.inter_node is None:
-        return _flat_one_pass(topo.size, m, topo.intra_node)
+        return _flat_one_pass(topo.size, m, topo.intra_node, kind)
     local = topo.local_size
-    return _flat_one_pass(topo.num_nodes, m / local, topo.inter_node) + _flat_one_pass(
-        local, m, topo.intra_node
+    return _flat_one_pass(topo.num_nodes, m / local, topo.inter_node, kind) + _flat_one_pass(
+        local, m, topo.intra_node, kind
     )
 
 
@@ -314,11 +323,12 @@ def reduce_scatter_time(nbytes: float, topo: AxisTopology) -> float:
     m = _check_args("reduce_scatter_time", nbytes, topo)
     if topo.size == 1 or m == 0.0:
         return 0.0
+    kind = CollectiveKind.REDUCE_SCATTER
     if topo.inter_node is None:
-        return _flat_one_pass(topo.size, m, topo.intra_node)
+        return _flat_one_pass(topo.size, m, topo.intra_node, kind)
     local = topo.local_size
-    return _flat_one_pass(local, m, topo.intra_node) + _flat_one_pass(
-        topo.num_nodes, m / local, topo.inter_node
+    return _flat_one_pass(local, m, topo.intra_node, kind) + _flat_one_pass(
+        topo.num_nodes, m / local, topo.inter_node, kind
     )
 
 
@@ -332,10 +342,12 @@ def all_to_all_time(nbytes: float, topo: AxisTopology) -> float:
     n = topo.size
     if n == 1 or m == 0.0:
         return 0.0
+    kind = CollectiveKind.ALL_TO_ALL
     if topo.inter_node is None:
-        return _flat_one_pass(n, m, topo.intra_node)
+        return _flat_one_pass(n, m, topo.intra_node, kind)
     local = topo.local_size
-    intra, inter = topo.intra_node, topo.inter_node
+    intra = topo.intra_node.for_collective(kind.value)
+    inter = topo.inter_node.for_collective(kind.value)
     t_intra = (local - 1) * intra.latency_s + (local - 1) / n * m / intra.bandwidth_bytes_per_s
     t_inter = (n - local) * inter.latency_s + (n - local) / n * m / inter.bandwidth_bytes_per_s
     return max(t_intra, t_inter)
@@ -348,6 +360,7 @@ def send_recv_time(nbytes: float, link: LinkSpec) -> float:
         raise ValueError(f"send_recv_time: link must be a LinkSpec, got {link!r}.")
     if m == 0.0:
         return 0.0
+    link = link.for_collective(CollectiveKind.SEND_RECV.value)
     return link.latency_s + m / link.bandwidth_bytes_per_s
 
 

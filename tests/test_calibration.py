@@ -24,16 +24,21 @@ from alpa_lite.cost_models.calibration import (
     best_flop_rate,
     collective_coefficients,
     fit_link,
+    fit_link_collectives,
     fit_matmul_efficiency_curve,
     fit_memory_bandwidth,
     matmul_efficiencies,
 )
-from alpa_lite.cost_models.cluster import Cluster, LinkSpec
+from alpa_lite.cost_models.cluster import COLLECTIVE_KINDS, Cluster, LinkSpec, MeasuredCollective
 from alpa_lite.cost_models.collectives import (
     AxisTopology,
     CollectiveKind,
     all_gather_time,
     all_reduce_time,
+    all_to_all_time,
+    collective_time,
+    reduce_scatter_time,
+    send_recv_time,
 )
 from alpa_lite.cost_models.compute import compute_time
 from alpa_lite.cost_models.devices import DEVICES, DeviceSpec
@@ -228,6 +233,88 @@ def test_fit_link_clamps_negative_latency_and_rejects_bad_samples():
         CollectiveSample("all-reduce", 8, 1e3, 1e-3)
 
 
+def test_measured_collectives_price_their_own_collective_only():
+    assert {k.value for k in CollectiveKind} == set(COLLECTIVE_KINDS)
+    base = LinkSpec("l", 1e9, 1e-5)
+    link = LinkSpec("l", 1e9, 1e-5, (MeasuredCollective("all-to-all", 2.5e8, 4e-5),
+                                     MeasuredCollective("all-gather", 5e8, 2e-5),
+                                     MeasuredCollective("reduce-scatter", 2e9, 1e-6),
+                                     MeasuredCollective("send-recv", 4e9, 3e-6)))
+    assert [m.kind for m in link.measured] == ["all-gather", "reduce-scatter", "all-to-all",
+                                              "send-recv"]          # COLLECTIVE_KINDS order
+    flat, flat_base = AxisTopology(4, 4, link, None), AxisTopology(4, 4, base, None)
+    m = 1e6
+    # All-gather on 4: 3 alpha + 3/4 M / B with its own figures: 60 us + 1.5 ms.
+    assert all_gather_time(m, flat) == pytest.approx(3 * 2e-5 + 0.75 * m / 5e8)
+    assert reduce_scatter_time(m, flat) == pytest.approx(3 * 1e-6 + 0.75 * m / 2e9)
+    assert all_to_all_time(m, flat) == pytest.approx(3 * 4e-5 + 0.75 * m / 2.5e8)
+    assert send_recv_time(m, link) == pytest.approx(3e-6 + m / 4e9)
+    # The all-reduce has no measured record: the link's own figures, as before.
+    assert all_reduce_time(m, flat) == all_reduce_time(m, flat_base)
+    # Hierarchical all-reduce over 2 nodes x 4: local reduce-scatter and all-gather with
+    # theirs, the ring among nodes on the inter link with its own (no records).
+    inter = LinkSpec("net", 1e8, 1e-4)
+    topo = AxisTopology(8, 4, link, inter)
+    want = (3 * 1e-6 + 0.75 * m / 2e9) + (2 * 1e-4 + 1.0 * (m / 4) / 1e8) + \
+        (3 * 2e-5 + 0.75 * m / 5e8)
+    assert all_reduce_time(m, topo) == pytest.approx(want)
+    assert LinkSpec.from_dict(link.to_dict()) == link
+    assert "measured" not in base.to_dict()                 # presets' JSON unchanged
+
+
+@pytest.mark.parametrize("measured, match", [
+    ((MeasuredCollective("all-gather", 1e9, 0.0),) * 2, "lists a collective twice"),
+    (("all-gather",), "must be a tuple of MeasuredCollective"),
+])
+def test_bad_measured_collectives_raise(measured, match):
+    with pytest.raises(ValueError, match=match):
+        LinkSpec("l", 1e9, 1e-6, measured)
+
+
+def test_bad_measured_collective_fields_raise():
+    with pytest.raises(ValueError, match="'gather' is not a collective"):
+        MeasuredCollective("gather", 1e9, 1e-6)
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s"):
+        MeasuredCollective("all-gather", 0.0, 1e-6)
+    with pytest.raises(ValueError, match="unknown keys"):
+        LinkSpec.from_dict({"name": "l", "bandwidth_bytes_per_s": 1e9, "latency_s": 0.0,
+                            "measured": [{"kind": "all-gather", "bandwidth_bytes_per_s": 1e9,
+                                          "latency_s": 0.0, "extra": 1}]})
+    with pytest.raises(ValueError, match="not a collective"):
+        LinkSpec("l", 1e9, 1e-6).for_collective("broadcast")
+
+
+def test_fit_link_collectives_fits_each_collective_on_its_own():
+    # All-reduce on the link's figures (12 us, 2 GB/s); all-gather and all-to-all slower.
+    figures = {CollectiveKind.ALL_REDUCE: (12e-6, 2e9), CollectiveKind.ALL_GATHER: (25e-6, 1e9),
+               CollectiveKind.ALL_TO_ALL: (15e-6, 5e8)}
+    samples = []
+    for kind, (alpha, bw) in figures.items():
+        for m in (4e3, 1e6, 16e6):
+            a, b = collective_coefficients(kind, 8, m)
+            samples.append(CollectiveSample(kind, 8, m, a * alpha + b / bw))
+    link, fits = fit_link_collectives(samples, "fitted")
+    assert [k for k, _ in fits] == list(figures)
+    assert (link.latency_s, link.bandwidth_bytes_per_s) == (pytest.approx(12e-6),
+                                                            pytest.approx(2e9))
+    assert [m.kind for m in link.measured] == ["all-gather", "all-to-all"]
+    for kind, (alpha, bw) in figures.items():
+        got = link.for_collective(kind.value)
+        assert (got.latency_s, got.bandwidth_bytes_per_s) == (pytest.approx(alpha),
+                                                              pytest.approx(bw))
+    # Through the planner's own functions, each collective reproduces its timings.
+    topo = AxisTopology(8, 8, link, None)
+    for s in samples:
+        assert collective_time(s.kind, s.nbytes, topo) == pytest.approx(s.seconds)
+    with pytest.raises(ValueError, match="no all-reduce samples"):
+        fit_link_collectives([s for s in samples if s.kind is not CollectiveKind.ALL_REDUCE],
+                             "l")
+    with pytest.raises(ValueError, match="all-gather: fit_link: .*fewer than two"):
+        fit_link_collectives([s for s in samples if s.kind is CollectiveKind.ALL_REDUCE]
+                             + [s for s in samples if s.kind is CollectiveKind.ALL_GATHER][:1],
+                             "l")
+
+
 def test_fit_memory_bandwidth_recovers_bandwidth_and_intercept():
     # t = 20 us + M / 10 GB/s: 1 MB -> 120 us, 4 MB -> 420 us, 16 MB -> 1.62 ms.
     sizes = [1e6, 4e6, 16e6]
@@ -277,9 +364,17 @@ def test_calibrate_quick_measures_the_eight_cpu_devices(calibrated):
     assert dev.peak_flops("float32") == report.peak_flops_per_s
     assert report.peak_source == "best measured" and report.dtype == "float32"
     assert dev.memory_bandwidth_bytes_per_s == report.memory_bandwidth_bytes_per_s > 0
-    (link,) = report.links
-    assert link.level == "intra_node" and link.group_size == 8
-    assert cluster.intra_node == link.link and len(link.samples) >= 2
+    # Every collective timed and fitted on its own; the all-reduce's figures are the link's.
+    assert [(r.level, r.collective, r.group_size) for r in report.links] == \
+        [("intra_node", k.value, 8) for k in CollectiveKind]
+    assert all(len(r.samples) >= 2 for r in report.links)
+    ar = report.links[0].link
+    assert (cluster.intra_node.latency_s, cluster.intra_node.bandwidth_bytes_per_s) == \
+        (ar.latency_s, ar.bandwidth_bytes_per_s)
+    for r in report.links[1:]:
+        got = cluster.intra_node.for_collective(r.collective)
+        assert (got.latency_s, got.bandwidth_bytes_per_s) == \
+            (r.link.latency_s, r.link.bandwidth_bytes_per_s)
     assert report.elapsed_s < 20
     json.dumps(report.to_dict())                      # JSON-ready
     assert Cluster.from_json(cluster.to_json()) == cluster
@@ -313,7 +408,7 @@ def test_cli_calibrate_writes_a_cluster_that_plan_accepts(tmp_path):
     proc = cli("calibrate", "-o", "mine.json", "--quick", "--report", "report.json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     for text in ("matmuls (float32; 8 devices", "efficiency curve", "memory bandwidth",
-                 "intra_node fit", "wrote mine.json"):
+                 "all-gather fit", "wrote mine.json"):
         assert text in proc.stdout, text
     cluster = Cluster.from_json((tmp_path / "mine.json").read_text())
     assert cluster.name == "local-cpu-1x8-calibrated" and cluster.device.matmul_efficiency_curve
