@@ -68,6 +68,18 @@ COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", 
 ``collectives.CollectiveKind`` (which this module cannot import: it imports this one)."""
 
 
+def _check_alpha_beta(spec: Any, owner: str) -> None:
+    """Validates (and stores as floats) a frozen spec's bandwidth and latency."""
+    object.__setattr__(
+        spec,
+        "bandwidth_bytes_per_s",
+        _require_positive(owner, "bandwidth_bytes_per_s", spec.bandwidth_bytes_per_s),
+    )
+    object.__setattr__(
+        spec, "latency_s", _require_non_negative(owner, "latency_s", spec.latency_s)
+    )
+
+
 @dataclass(frozen=True)
 class MeasuredCollective:
     """One collective's own alpha and beta on a link, fitted to timings of that collective.
@@ -89,14 +101,7 @@ class MeasuredCollective:
                 f"{list(COLLECTIVE_KINDS)}."
             )
         owner = f"MeasuredCollective {self.kind!r}"
-        object.__setattr__(
-            self,
-            "bandwidth_bytes_per_s",
-            _require_positive(owner, "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s),
-        )
-        object.__setattr__(
-            self, "latency_s", _require_non_negative(owner, "latency_s", self.latency_s)
-        )
+        _check_alpha_beta(self, owner)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -135,14 +140,7 @@ class LinkSpec:
     def __post_init__(self) -> None:
         _require_name("LinkSpec", "name", self.name)
         owner = f"LinkSpec {self.name!r}"
-        object.__setattr__(
-            self,
-            "bandwidth_bytes_per_s",
-            _require_positive(owner, "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s),
-        )
-        object.__setattr__(
-            self, "latency_s", _require_non_negative(owner, "latency_s", self.latency_s)
-        )
+        _check_alpha_beta(self, owner)
         try:
             measured = tuple(self.measured)
         except TypeError:
@@ -160,6 +158,11 @@ class LinkSpec:
         object.__setattr__(
             self, "measured", tuple(sorted(measured, key=lambda m: COLLECTIVE_KINDS.index(m.kind)))
         )
+        # Built once: the planner prices collectives on this link thousands of times.
+        object.__setattr__(self, "_by_kind", {
+            m.kind: LinkSpec(f"{self.name}:{m.kind}", m.bandwidth_bytes_per_s, m.latency_s)
+            for m in self.measured
+        })
 
     def for_collective(self, kind: str) -> LinkSpec:
         """The link as collective ``kind`` (a ``COLLECTIVE_KINDS`` value) is priced on it:
@@ -169,10 +172,7 @@ class LinkSpec:
                 f"LinkSpec.for_collective: {kind!r} is not a collective; use one of "
                 f"{list(COLLECTIVE_KINDS)}."
             )
-        for m in self.measured:
-            if m.kind == kind:
-                return LinkSpec(f"{self.name}:{kind}", m.bandwidth_bytes_per_s, m.latency_s)
-        return self
+        return self._by_kind.get(kind, self)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; ``LinkSpec.from_dict(link.to_dict()) == link``. ``measured``

@@ -58,8 +58,8 @@ inside").
 
 Each formula takes its alpha and beta from ``link.for_collective(kind)``: a calibrated link
 carries figures fitted to timings of each collective (``cluster.py``, "Measured
-collectives"); a preset link gives every collective its own one alpha and beta. Inside a
-hierarchical all-reduce the local reduce-scatter and all-gather use theirs.
+collectives"); a preset link prices every collective with its one alpha and beta. Inside a
+hierarchical all-reduce the local reduce-scatter and all-gather use their own figures.
 """
 
 from __future__ import annotations
