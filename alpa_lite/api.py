@@ -21,7 +21,7 @@ from alpa_lite import compression as C
 from alpa_lite.compressed_planner import make_compressed_plan
 from alpa_lite.compressed_runtime import CompressedExecutable
 from alpa_lite.cost_models.cluster import Cluster
-from alpa_lite.distributed import is_multiprocess, share_from_first
+from alpa_lite.distributed import share_from_first
 from alpa_lite.errors import PlanMismatchError, PlanningError
 from alpa_lite.graph import Role
 from alpa_lite.methods import Auto, DataParallel, Manual, Method
@@ -130,14 +130,11 @@ class ParallelizedStep:
             return self.fixed_plan
         key = (self._signature(args), cluster.fingerprint())
         if key not in self._plans:
-            make = lambda: self._make_plan(args, traced, cluster, pipelined, progress)
-            if is_multiprocess():
-                # Process 0 plans and the others run its plan: a solver's time limit must
-                # not let the processes disagree.
-                plan = Plan.from_json(share_from_first(lambda: make().to_json(),
-                                                       errors=(PlanningError,)))
-            else:
-                plan = make()
+            # With several processes, process 0 plans and the others run its plan: a
+            # solver's time limit must not let the processes disagree.
+            plan = share_from_first(
+                lambda: self._make_plan(args, traced, cluster, pipelined, progress),
+                errors=(PlanningError,), encode=Plan.to_json, decode=Plan.from_json)
             self._plans[key] = replace_stats(plan, trace_s=trace_s)
         return self._plans[key]
 

@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -78,8 +77,9 @@ from alpa_lite.cost_models.calibration import (
 )
 from alpa_lite.cost_models.cluster import Cluster, LinkSpec
 from alpa_lite.cost_models.collectives import CollectiveKind
-from alpa_lite.cost_models.devices import DEVICES, DeviceSpec
+from alpa_lite.cost_models.devices import DEVICES
 from alpa_lite.distributed import share_from_first
+from alpa_lite.hlo import collectives_in_hlo
 from alpa_lite.progress import Progress, report
 
 __all__ = ["calibrate", "CalibrationReport", "MatmulSample", "TimedSample", "LinkReport"]
@@ -120,11 +120,6 @@ _REPEATS = {False: 5, True: 3}  # timed calls per measurement (quick: 3)
 # GFLOP/s (measured here with 8 virtual devices on 2 cores), GPUs ~100 TFLOP/s.
 _GUESS_FLOPS_PER_S = {"cpu": 3e10, "gpu": 1e14}
 _GUESS_COLLECTIVE_S = {"cpu": 3e-4, "gpu": 3e-5}
-# The op name each collective has in compiled HLO (async forms end in "-start").
-_HLO_OP = {CollectiveKind.ALL_REDUCE: "all-reduce", CollectiveKind.ALL_GATHER: "all-gather",
-           CollectiveKind.REDUCE_SCATTER: "reduce-scatter",
-           CollectiveKind.ALL_TO_ALL: "all-to-all",
-           CollectiveKind.SEND_RECV: "collective-permute"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,27 +300,24 @@ def _fit(local: Cluster, platform: str, device_kind: str, dtype: str, quick: boo
     timed = matmuls[1:]
     flops = [s.flops for s in timed]
     seconds = [s.seconds for s in timed]
-    known = next((k for k in ("H100", "A100", "V100") if local.device == DEVICES[k]), None)
-    if known is not None:
-        peak = DEVICES[known].peak_flops(dtype)
-        peak_source = f"datasheet {DEVICES[known].name} {dtype}"
-        peaks = local.device.peak_flops_per_s
+    base = local.device
+    if any(base == DEVICES[k] for k in ("H100", "A100", "V100")):
+        peak = base.peak_flops(dtype)
+        peak_source = f"datasheet {base.name} {dtype}"
+        peaks, name = base.peak_flops_per_s, base.name
     else:
         peak = best_flop_rate(flops, seconds, overhead_s)
         peak_source = "best measured"
-        peaks = ((dtype, peak),)
+        peaks, name = ((dtype, peak),), f"{device_kind}-{platform}"
     curve = fit_matmul_efficiency_curve(flops, seconds, peak, overhead_s=overhead_s)
     bandwidth, intercept = fit_memory_bandwidth([s.nbytes for s in memory],
                                                 [s.seconds for s in memory])
-    base = local.device
-    name = base.name if known is not None else f"{device_kind}-{platform}"
-    device = DeviceSpec(
+    device = dataclasses.replace(
+        base,
         name=f"{name}-calibrated",
         peak_flops_per_s=peaks,
-        memory_bytes=base.memory_bytes,
         memory_bandwidth_bytes_per_s=bandwidth,
         matmul_efficiency=max(e for _, e in curve),
-        elementwise_efficiency=base.elementwise_efficiency,
         matmul_efficiency_curve=curve,
         op_overhead_s=overhead_s,
     )
@@ -399,12 +391,11 @@ def _chain_length(work_s: float, kind: str) -> int:
     return int(min(_MAX_CHAIN, max(2, math.ceil(_CHAIN_TARGET_S[kind] / max(work_s, 1e-9)))))
 
 
-def _time_matmul(mesh: Mesh, shape: tuple[int, int, int], dtype, kind: str,
-                 dispatch_s: float, repeats: int) -> MatmulSample:
+def matmul_chain(mesh: Mesh, shape: tuple[int, int, int], dtype,
+                 chain: int) -> tuple[Callable, tuple[jax.Array, ...]]:
+    """(program, its arguments): `chain` dependent matmuls of ``(m, k, n) = shape`` per
+    device of `mesh` (one axis), each ``2 m k n`` FLOPs, in one SPMD program."""
     m, k, n = shape
-    flops = 2.0 * m * k * n
-    chain = _MAX_CHAIN if shape == _OVERHEAD_SHAPE else \
-        _chain_length(flops / _GUESS_FLOPS_PER_S[kind], kind)
     nd = mesh.size
     # Per device x (m, k), w1 (k, n), w2 (n, k): x @ w1 @ w2 @ w1 ... keeps the shape
     # alternating (m, n), (m, k), and every matmul does 2 m k n FLOPs. Weights scaled by
@@ -418,9 +409,19 @@ def _time_matmul(mesh: Mesh, shape: tuple[int, int, int], dtype, kind: str,
             x = x @ (w1 if i % 2 == 0 else w2)
         return x
 
-    spec = P("d")
+    spec = P(mesh.axis_names)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec))
-    t, cv = _time_calls(fn, x, w1, w2, repeats=repeats)
+    return fn, (x, w1, w2)
+
+
+def _time_matmul(mesh: Mesh, shape: tuple[int, int, int], dtype, kind: str,
+                 dispatch_s: float, repeats: int) -> MatmulSample:
+    m, k, n = shape
+    flops = 2.0 * m * k * n
+    chain = _MAX_CHAIN if shape == _OVERHEAD_SHAPE else \
+        _chain_length(flops / _GUESS_FLOPS_PER_S[kind], kind)
+    fn, args = matmul_chain(mesh, shape, dtype, chain)
+    t, cv = _time_calls(fn, *args, repeats=repeats)
     return MatmulSample(m, k, n, flops, _per_op(t, dispatch_s, chain), chain, cv)
 
 
@@ -481,8 +482,9 @@ def _time_collective(mesh: Mesh, axis: str, collective: CollectiveKind, nbytes: 
 
     spec = P(mesh.axis_names)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-    op = _HLO_OP[collective]
-    found = len(re.findall(rf"[ =]{op}(?:-start)?\(", fn.lower(x).compile().as_text()))
+    # CollectiveKind values are the HLO op names, but for send/recv (a ppermute).
+    op = "collective-permute" if collective is CollectiveKind.SEND_RECV else collective.value
+    found = sum(c.kind == op for c in collectives_in_hlo(fn.lower(x).compile().as_text()))
     if found < chain:
         raise RuntimeError(
             f"calibrate: the compiled chain of {chain} {collective.value}s over {n} devices "
@@ -508,7 +510,7 @@ def _share_timings(dispatch_s, matmuls, memory, raw_links):
     work another process has already dispatched (`alpa_lite.distributed`)."""
     flat = [dispatch_s] + [s.seconds for s in matmuls] + [s.seconds for s in memory] + \
         [s.seconds for *_, samples in raw_links for s in samples]
-    shared = json.loads(share_from_first(lambda: json.dumps(flat)))
+    shared = share_from_first(lambda: flat, encode=json.dumps, decode=json.loads)
     it = iter(shared[1:])
     matmuls = [dataclasses.replace(s, seconds=next(it)) for s in matmuls]
     memory = [dataclasses.replace(s, seconds=next(it)) for s in memory]

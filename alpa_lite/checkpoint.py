@@ -46,10 +46,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Sharding
 
 from alpa_lite.api import ParallelizedStep
-from alpa_lite.compressed_runtime import WORKERS, CompressedExecutable
+from alpa_lite.compressed_runtime import CompressedExecutable
 from alpa_lite.errors import CheckpointMismatchError
 
 FORMAT = "alpa_lite.checkpoint/1"
@@ -378,9 +378,8 @@ def _targets(like, paths, like_leaves, step, batch):
                         "ShapeDtypeStructs) to plan the step for step(*like, batch)")
     # Planned for shapes only: the values of `like` (e.g. fresh initial parameters) matter not.
     abstract = _abstract((*like, batch))
-    shardings = step.input_shardings(*abstract)
-    flat = jax.tree.leaves(shardings[:len(like)])
     exe = step.executable(*abstract)
+    flat = jax.tree.leaves(exe.input_shardings(*abstract)[:len(like)])
     return flat, (exe if isinstance(exe, CompressedExecutable) else None)
 
 
@@ -497,16 +496,14 @@ def _compressor_abstract(exe: CompressedExecutable, like_leaves, saved: dict, ar
             f" saved, {len(expected)} expected; first saved "
             f"{saved['state_leaves'][:1]}, expected {expected[:1]}); {_RESET_HINT}")
     out = {_state_name(k): x for k, (_, x) in enumerate(pairs)}
-    n = exe.num_nodes * exe.local
-    per_worker = NamedSharding(exe.mesh, PartitionSpec(WORKERS))
     for i in saved["replicas"]:
         if i not in exe.per_worker:
             raise CheckpointMismatchError(
                 f"the checkpoint holds per-worker copies of state leaf {i}, which this "
                 f"step's plan does not keep per worker; {_RESET_HINT}")
         x = like_leaves[i]
-        out[_replica_name(i)] = jax.ShapeDtypeStruct((n,) + tuple(np.shape(x)), x.dtype,
-                                                     sharding=per_worker)
+        out[_replica_name(i)] = jax.ShapeDtypeStruct((exe.num_workers,) + tuple(np.shape(x)),
+                                                     x.dtype, sharding=exe.worker_sharding)
     return out, treedef
 
 

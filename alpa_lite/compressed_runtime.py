@@ -44,6 +44,7 @@ from alpa_lite.distributed import place
 from alpa_lite.errors import NonFiniteGradientError
 from alpa_lite.markers import GradientHook, gradient_hook
 from alpa_lite.plan import Plan
+from alpa_lite.runtime import shardings_like
 from alpa_lite.tracing import TracedStep
 
 WORKERS = ("node", "local")
@@ -129,6 +130,8 @@ class CompressedExecutable:
         picked = [devices[i] for i in plan.stages[0].devices]
         self.mesh = Mesh(np.array(picked, dtype=object).reshape(self.num_nodes, self.local),
                          WORKERS)
+        self.num_workers = self.num_nodes * self.local
+        self.worker_sharding = NamedSharding(self.mesh, P(WORKERS))   # one row per worker
         self.batch_argnums = tuple(batch_argnums)
         self.loss_scale = spec.loss_scale
         self.on_nonfinite = on_nonfinite
@@ -136,6 +139,7 @@ class CompressedExecutable:
         self.step = 0
         self.grad_names: list[str] = []
         self._state = None
+        self._one_state = None      # one worker's state shapes (this executable's signature)
         self._compiled: dict[Any, Any] = {}
         self._replicas: dict[int, jax.Array] = {}   # delayed: input leaf -> per-worker copies
         self._returned: dict[int, Any] = {}         # delayed: input leaf -> what we returned
@@ -157,7 +161,7 @@ class CompressedExecutable:
         if self.num_nodes == 1 or self.local == 1:
             # Flat: over both axes, one of which has size 1 (an axis all the same).
             return m.reduce(g, state, axis_name=WORKERS,
-                            num_workers=self.num_nodes * self.local, phase=phase,
+                            num_workers=self.num_workers, phase=phase,
                             shared_key=shared_key, worker_key=worker_key)
         if self.exchange_shape(g.shape) != tuple(g.shape):
             shard = jax.lax.psum_scatter(g, "local", scatter_dimension=0, tiled=True)
@@ -224,8 +228,7 @@ class CompressedExecutable:
             if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
                 raise ValueError(f"compression state leaf {a.shape} {a.dtype} does not match "
                                  f"{b.shape} {b.dtype}")
-        sharding = NamedSharding(self.mesh, P(WORKERS))
-        self._state = jax.tree.map(lambda x: place(x, sharding), state)
+        self._state = jax.tree.map(lambda x: place(x, self.worker_sharding), state)
 
     def reset_state(self, seed: int | None = None) -> None:
         """Zeroes the state (residuals, queues) and the step count, and forgets the
@@ -245,31 +248,25 @@ class CompressedExecutable:
         ShapeDtypeStructs); compiles nothing. Batch leaves are split over the workers
         (dimension 0); every other leaf is replicated on the workers' mesh, including
         those delayed averaging copies per worker (the copies are made from it)."""
-        _, _, batch, _ = self._specs(args)
-        flat = [NamedSharding(self.mesh, P(WORKERS) if j in batch else P())
-                for j in range(len(jax.tree.leaves(args)))]
-        return jax.tree.unflatten(jax.tree.structure(args), flat)
+        _, _, batch = self._specs(args)
+        return shardings_like(args, [NamedSharding(self.mesh, P(WORKERS) if j in batch else P())
+                                     for j in range(len(jax.tree.leaves(args)))])
 
     def state_shapes(self, *args):
         """The per-worker state for these arguments as ShapeDtypeStructs stacked over workers
         and sharded one row per device (what `state()` holds after a step). Traces the step
         as its first call does; computes and compiles nothing."""
-        n = self.num_nodes * self.local
-        sharding = NamedSharding(self.mesh, P(WORKERS))
         return jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct((n,) + tuple(s.shape), s.dtype, sharding=sharding),
+            lambda s: jax.ShapeDtypeStruct((self.num_workers,) + tuple(s.shape), s.dtype,
+                                           sharding=self.worker_sharding),
             self._probe_state(args))
 
     def replicas_of(self, leaves: Sequence[Any]) -> dict[int, jax.Array]:
         """Delayed averaging: {position in `leaves`: per-worker copies} for the leaves this
         executable returned last, i.e. those whose next call goes on from the workers' own
         copies instead of the value passed. Empty for synchronous methods."""
-        out = {}
-        for i, x in enumerate(leaves):
-            for j, r in self._returned.items():
-                if r is x:
-                    out[i] = self._replicas[j]
-        return out
+        by_id = {id(r): j for j, r in self._returned.items()}
+        return {i: self._replicas[by_id[id(x)]] for i, x in enumerate(leaves) if id(x) in by_id}
 
     def restore_checkpoint(self, args, state, step_count: int, key,
                            replicas: dict[int, jax.Array]) -> None:
@@ -284,20 +281,10 @@ class CompressedExecutable:
           replicas: delayed averaging: {argument leaf index: per-worker copies, stacked}.
         """
         flat = jax.tree.leaves(args)
-        n = self.num_nodes * self.local
-        for j, r in replicas.items():
-            if j not in self.per_worker:
-                raise ValueError(f"argument leaf {j} has per-worker copies in the checkpoint "
-                                 "but this plan keeps none for it (only delayed averaging "
-                                 "keeps copies, of the leaves the step returns)")
-            if tuple(r.shape) != (n,) + tuple(flat[j].shape):
-                raise ValueError(f"per-worker copies of argument leaf {j} have shape "
-                                 f"{r.shape}, expected {(n,) + tuple(flat[j].shape)}")
         self._put_state(state, self.state_shapes(*args))
-        sharding = NamedSharding(self.mesh, P(WORKERS))
         self.step = int(step_count)
         self.base_key = key
-        self._replicas = {j: place(r, sharding) for j, r in replicas.items()}
+        self._replicas = {j: place(r, self.worker_sharding) for j, r in replicas.items()}
         # `_prepare` uses the copies only when the caller hands back this exact array.
         self._returned = {j: flat[j] for j in replicas}
 
@@ -314,10 +301,11 @@ class CompressedExecutable:
             pos += c
         specs = [P(WORKERS) if (j in batch or j in self.per_worker) else P()
                  for j in range(len(leaves))]
-        return treedef, specs, batch, self.per_worker
+        return treedef, specs, batch
 
     def _program(self, args, phase):
-        treedef, in_specs, batch, per_worker = self._specs(args)
+        treedef, in_specs, _ = self._specs(args)
+        per_worker = self.per_worker
         out_leaves = self.traced.out_tree.num_leaves
         out_specs = [P(WORKERS) if self.ties.get(o) in per_worker else P()
                      for o in range(out_leaves)]
@@ -339,19 +327,20 @@ class CompressedExecutable:
 
     def _init_state(self, args):
         """Zeroes the per-worker state, shaped for these arguments' gradient leaves."""
-        n = self.num_nodes * self.local
-        sharding = NamedSharding(self.mesh, P(WORKERS))
         # Made on the devices, one row each: nothing of size n x (the gradient) on a host.
-        shapes = self._probe_state(args)
+        shapes = self.state_shapes(*args)
         self._state = jax.jit(
-            lambda: jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), shapes),
-            out_shardings=jax.tree.map(lambda _: sharding, shapes))()
+            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+            out_shardings=jax.tree.map(lambda s: s.sharding, shapes))()
 
     def _probe_state(self, args):
         """Traces the step once without exchanging, to learn the gradient leaves (and their
-        names): one worker's state, as ShapeDtypeStructs."""
-        treedef, _, batch, _ = self._specs(args)
-        n = self.num_nodes * self.local
+        names): one worker's state, as ShapeDtypeStructs. Once: an executable serves one
+        argument signature, and tracing a large model takes seconds."""
+        if self._one_state is not None:
+            return self._one_state
+        treedef, _, batch = self._specs(args)
+        n = self.num_workers
         flat = jax.tree.leaves(args)
         local = [jax.ShapeDtypeStruct((x.shape[0] // n,) + tuple(x.shape[1:]), x.dtype)
                  if j in batch else jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -366,6 +355,7 @@ class CompressedExecutable:
         if hook.calls == 0:
             raise ValueError("the step never called al.value_and_grad / al.grad: there is "
                              "no gradient to compress")
+        self._one_state = one
         return one
 
     def _prepare(self, args):
@@ -377,7 +367,7 @@ class CompressedExecutable:
         if phase not in self._compiled:
             self._compiled[phase] = self._program(args, phase)
         program, in_specs = self._compiled[phase]
-        n = self.num_nodes * self.local
+        n = self.num_workers
         placed = []
         for j, (x, spec) in enumerate(zip(flat, in_specs)):
             if j in self._replicas and self._returned.get(j) is x:
@@ -397,7 +387,7 @@ class CompressedExecutable:
     def __call__(self, *args):
         flat = jax.tree.leaves(args)
         program, in_specs, placed = self._prepare(args)
-        n = self.num_nodes * self.local
+        n = self.num_workers
         shared_key = jax.random.fold_in(self.base_key, self.step)
         try:
             outs, new_state, bad = program(self._state, shared_key, *placed)

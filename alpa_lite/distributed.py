@@ -43,6 +43,7 @@ then from JAX's own cluster detection (SLURM, Open MPI, Kubernetes, ...).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import socket
@@ -114,8 +115,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     for name, v in (("heartbeat_timeout_s", heartbeat_timeout_s),
                     ("initialization_timeout_s", initialization_timeout_s),
                     ("shutdown_timeout_s", shutdown_timeout_s)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a whole number of seconds >= 1, got {v!r}")
+        check_positive_int(name, v, "a whole number of seconds")
     env = os.environ
     coordinator_address = coordinator_address or env.get(ENV_COORDINATOR)
     if num_processes is None and ENV_NUM_PROCESSES in env:
@@ -125,13 +125,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if cpu_devices is None and ENV_CPU_DEVICES in env:
         cpu_devices = _env_int(ENV_CPU_DEVICES, 1)
     if cpu_devices is not None:
-        if isinstance(cpu_devices, bool) or not isinstance(cpu_devices, int) or cpu_devices < 1:
-            raise ValueError(f"cpu_devices must be an integer >= 1, got {cpu_devices!r}")
+        check_positive_int("cpu_devices", cpu_devices)
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     # gloo is the CPU backend's cross-process collective library; GPUs use NCCL regardless.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     host = transfer_host or env.get(ENV_TRANSFER_HOST) or _this_host()
-    jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{_free_port(host)}")
+    jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{free_port(host)}")
     # A transfer whose peer has failed must not wait longer than the exit does.
     jax.config.update("jax_cross_host_transfer_timeout_seconds", shutdown_timeout_s)
     jax.distributed.initialize(
@@ -247,20 +246,33 @@ def on_every_process(v: Any) -> Any:
     copy: it reads the value with `fetch`."""
     if not isinstance(v, jax.Array):
         return v
-    holders = {d.process_index for d in v.sharding.device_set}
-    if holders == set(range(jax.process_count())):
+    layout = _copy_layout(frozenset(v.sharding.device_set))
+    if layout is None:
         return v
-    v = _replicated_on_own_devices(v)
-    own = _device_list(v)
-    pieces, devices = [v], list(own)
+    own, targets, joined = layout
+    v = _replicate(v, own)
+    pieces = [v] + [jax.device_put(v, t) for t in targets]
+    mine = [shard.data for piece in pieces for shard in piece.addressable_shards]
+    return jax.make_array_from_single_device_arrays(v.shape, joined, mine)
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_layout(device_set: frozenset):
+    """For a value on `device_set`: None when every process holds some of it, else (its
+    own devices replicated, one such sharding per process lacking it with enough devices,
+    all of them joined). Fixed by the plan, so worked out once per device set."""
+    holders = {d.process_index for d in device_set}
+    if holders == set(range(jax.process_count())):
+        return None
+    own = sorted(device_set, key=lambda d: d.id)
+    targets, devices = [], list(own)
     for p in range(jax.process_count()):
         theirs = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
         if p in holders or len(theirs) < len(own):
             continue
-        pieces.append(jax.device_put(v, _replicated(theirs[:len(own)])))
+        targets.append(_replicated(theirs[:len(own)]))
         devices += theirs[:len(own)]
-    mine = [shard.data for piece in pieces for shard in piece.addressable_shards]
-    return jax.make_array_from_single_device_arrays(v.shape, _replicated(devices), mine)
+    return _replicated(own), tuple(targets), _replicated(devices)
 
 
 def _device_list(v: jax.Array) -> list:
@@ -277,20 +289,28 @@ def _identity(x):
 
 
 def _replicated_on_own_devices(v: jax.Array) -> jax.Array:
+    return _replicate(v, _replicated(_device_list(v)))
+
+
+def _replicate(v: jax.Array, sharding) -> jax.Array:
     # Runs on the processes holding `v` only; the others take part in name. One module-level
     # function, so JAX's caches compile each (shape, sharding) once, not once per call.
-    return jax.jit(_identity, out_shardings=_replicated(_device_list(v)))(v)
+    return jax.jit(_identity, out_shardings=sharding)(v)
 
 
-def share_from_first(make: Callable[[], str],
-                     errors: tuple[type[Exception], ...] = ()) -> str:
-    """`make()` run on process 0 only; every process gets its text.
+def share_from_first(make: Callable[[], Any], errors: tuple[type[Exception], ...] = (), *,
+                     encode: Callable[[Any], str] = str,
+                     decode: Callable[[str], Any] = str) -> Any:
+    """`make()` run on process 0 only; every process gets its result.
 
-    Every process must call this the same number of times in the same order (as they run
-    the same program). The text travels through the coordination service's key-value store,
-    which waits without a collective, so the others may wait for minutes of planning.
-    An exception on process 0 is re-raised there; the others raise the same type when it
-    is one of `errors` (each taking one message argument), else a RuntimeError naming it.
+    With one process this is `make()`. With several, process 0's result travels as
+    `encode(result)` through the coordination service's key-value store, which waits
+    without a collective (the others may wait for minutes of planning), and every process,
+    process 0 included, returns `decode` of that text: the same value everywhere. Every
+    process must call this the same number of times in the same order (as they run the
+    same program). An exception on process 0 is re-raised there; the others raise the same
+    type when it is one of `errors` (each taking one message argument), else a
+    RuntimeError naming it.
     """
     if not is_multiprocess():
         return make()
@@ -298,12 +318,12 @@ def share_from_first(make: Callable[[], str],
     key = f"alpa_lite/share/{next(_share_counter)}"
     if jax.process_index() == 0:
         try:
-            text = make()
+            text = encode(make())
         except BaseException as e:
             client.key_value_set(key, f"E{type(e).__name__}\n{e}")
             raise
         client.key_value_set(key, "T" + text)
-        return text
+        return decode(text)
     got = client.blocking_key_value_get(key, SHARE_TIMEOUT_S * 1000)
     _done_reading(client, key, jax.process_count() - 1)
     if got.startswith("E"):
@@ -313,7 +333,7 @@ def share_from_first(make: Callable[[], str],
                 raise cls(f"(on process 0) {message}")
         raise RuntimeError(f"process 0 failed where this process waits for its result: "
                            f"{name}: {message}")
-    return got[1:]
+    return decode(got[1:])
 
 
 def _done_reading(client, key: str, readers: int) -> None:
@@ -355,7 +375,13 @@ def _this_host() -> str:
         return "127.0.0.1"
 
 
-def _free_port(host: str) -> int:
+def check_positive_int(name: str, v: Any, what: str = "an integer") -> None:
+    """ValueError unless `v` is an int >= 1 (a bool is not)."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be {what} >= 1, got {v!r}")
+
+
+def free_port(host: str) -> int:
     # The port is released before JAX binds it; another program could take it in between,
     # which JAX then reports when the first transfer is set up.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -56,11 +56,9 @@ first node.
 from __future__ import annotations
 
 import dataclasses
-import math
-
-import numpy as np
 
 from alpa_lite.graph import Node, OpGraph
+from alpa_lite.sharding import itemsize
 
 __all__ = ["FusionResult", "fuse", "STANDALONE", "DUPLICABLE"]
 
@@ -109,11 +107,7 @@ class FusionResult:
 
 def _nbytes(graph: OpGraph, tid: int) -> float:
     t = graph.tensors[tid]
-    try:
-        item = np.dtype(t.dtype).itemsize
-    except TypeError:          # extended dtypes (PRNG keys), as tracing counts them
-        item = 8
-    return float(math.prod(t.shape) * item)
+    return float(t.size * itemsize(t.dtype))
 
 
 def _is_standalone(node: Node) -> bool:
@@ -167,8 +161,7 @@ def fuse(graph: OpGraph) -> FusionResult:
     for n in graph.nodes:
         if standalone[n.id] or dup[n.id]:
             continue
-        reads = set().union(*(sources(t) for t in n.inputs if t is not None)) \
-            if any(t is not None for t in n.inputs) else set()
+        reads = set().union(*(sources(t) for t in n.inputs if t is not None))
         read_groups = {group[p] for p in (graph.producer(t) for t in reads)
                        if p is not None and not standalone[p]}
         # Try the most recent open group first (the tightest producer-consumer chain).
@@ -197,10 +190,12 @@ def fuse(graph: OpGraph) -> FusionResult:
         p = graph.producer(tid)
         if p is None or standalone[p]:
             out = frozenset({tid})
-        elif dup[p] or group[p] == g:
-            # Inside the group (or a free duplicate): only its own memory reads.
+        elif group[p] == g:
+            out = frozenset()                   # inside the group: no memory read
+        elif dup[p]:
+            # A free duplicate: only its own memory reads.
             out = frozenset().union(*(reads_for(t, g) for t in graph.nodes[p].inputs
-                                      if t is not None)) if group[p] != g else frozenset()
+                                      if t is not None))
         elif _is_cheap(graph.nodes[p]):
             again = frozenset().union(*(reads_for(t, g) for t in graph.nodes[p].inputs
                                         if t is not None))
@@ -250,11 +245,11 @@ def fuse(graph: OpGraph) -> FusionResult:
                 b += _nbytes(graph, s)
         b += sum(_nbytes(graph, t) for t in n.outputs if t in read_from_memory)
         bytes_out[n.id] = b
-    first_with_traffic: dict[int, int] = {}
+    started: set[int] = set()         # groups whose kernel is counted
     for n in graph.nodes:
         if not standalone[n.id] and not dup[n.id]:
             g = group[n.id]
-            if bytes_out[n.id] > 0 and g not in first_with_traffic:
-                first_with_traffic[g] = n.id
+            if bytes_out[n.id] > 0 and g not in started:
+                started.add(g)
                 kernels[n.id] = 1
     return FusionResult(tuple(group), tuple(bytes_out), tuple(kernels))

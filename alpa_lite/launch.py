@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -95,8 +94,7 @@ class LocalJob:
         if cpu_devices is not None:
             checked.append(("cpu_devices", cpu_devices))
         for name, v in checked:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            D.check_positive_int(name, v)
         self.command = [str(c) for c in command]
         self.num_processes = num_processes
         self.cpu_devices = cpu_devices
@@ -123,7 +121,7 @@ class LocalJob:
         """Starts the processes (once)."""
         if self._procs:
             raise RuntimeError("this job has already been started")
-        port = _free_port()
+        port = D.free_port("127.0.0.1")
         self._t0 = time.perf_counter()
         try:
             for i in range(self.num_processes):
@@ -254,12 +252,6 @@ def script_command(script: str, args: Sequence[str] = ()) -> list[str]:
     if not os.path.isfile(script):
         raise FileNotFoundError(f"no such script: {script!r}")
     return [sys.executable, script, *args]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

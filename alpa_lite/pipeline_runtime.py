@@ -150,6 +150,7 @@ class PipelineExecutable:
         grad_node = outer.nodes[parts.grad_node]
         fwd_of_outer = {t_o: t_f for t_f, t_o in zip(fwd.inputs, grad_node.inputs)
                         if t_o is not None}
+        self.fwd_of_outer = fwd_of_outer
         home: dict[int, int] = {}
         for k, t in enumerate(parts.grad_outputs()):
             home[t] = self.param_home[fwd.inputs[parts.call.grad_leaves[k]]]
@@ -267,18 +268,13 @@ class PipelineExecutable:
         micro-batch (e.g. over its data-parallel axis); micro-batches are slices of the
         leading dimension, so the whole batch divides the same way.
         """
-        outer = self.parts.outer.graph
-        node = outer.nodes[self.parts.grad_node]
-        fwd_of = {t_o: t_f for t_f, t_o in zip(self.parts.forward.graph.inputs, node.inputs)
-                  if t_o is not None}
         flat = []
-        for t in outer.inputs:
+        for t in self.parts.outer.graph.inputs:
             sharding = self.input_sharding[t]
-            if fwd_of.get(t) in self.batch_inputs:
-                readers = [st for st in self.stages if fwd_of[t] in st.prog.acts]
-                if readers:
-                    st = readers[0]
-                    sharding = st.act_in[st.prog.acts.index(fwd_of[t])]
+            t_f = self.fwd_of_outer.get(t)
+            if t_f in self.batch_inputs and t_f in self.readers:
+                st = self.stages[self.readers[t_f][0]]
+                sharding = st.act_in[st.prog.acts.index(t_f)]
             flat.append(sharding)
         return shardings_like(args, flat)
 

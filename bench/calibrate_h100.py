@@ -30,6 +30,7 @@ costs, which the row measured).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -46,7 +47,7 @@ from alpa_lite.cost_models.calibration import (  # noqa: E402
 )
 from alpa_lite.cost_models.cluster import Cluster  # noqa: E402
 from alpa_lite.cost_models.compute import compute_time  # noqa: E402
-from alpa_lite.cost_models.devices import DEVICES, DeviceSpec  # noqa: E402
+from alpa_lite.cost_models.devices import DEVICES  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "h100_jax_sweep.json"
 BF16_BYTES = 2
@@ -76,13 +77,11 @@ def calibrated_cluster(rows: list[dict]) -> tuple[Cluster, dict]:
     nbytes = [2.0 * (r["numel"] if "numel" in r else math.prod(r["shape"])) * BF16_BYTES
               for r in passes]
     bandwidth, intercept = fit_memory_bandwidth(nbytes, [r["s"] for r in passes])
-    device = DeviceSpec(
+    device = dataclasses.replace(
+        h100,
         name=f"{h100.name}-calibrated",
-        peak_flops_per_s=h100.peak_flops_per_s,
-        memory_bytes=h100.memory_bytes,
         memory_bandwidth_bytes_per_s=bandwidth,
         matmul_efficiency=max(e for _, e in curve),
-        elementwise_efficiency=h100.elementwise_efficiency,
         matmul_efficiency_curve=curve,
     )
     cluster = Cluster(name="1xH100-calibrated", device=device, num_nodes=1,
@@ -119,7 +118,8 @@ def main() -> None:
         in_step = compute_time(f, nbytes, dev, "bfloat16", True)
         lone = dispatch_s + in_step
         old = dispatch_s + compute_time(f, nbytes, nominal, "bfloat16", True)
-        used = r["s"] >= 2 * dispatch_s
+        # The fit's own rule for which rows measure the matmul rather than the dispatch.
+        used = not math.isnan(matmul_efficiencies([f], [r["s"]], peak, dispatch_s)[0])
         compared.append({"m": r["m"], "k": r["k"], "n": r["n"], "flops": f, "measured_s": r["s"],
                          "model_in_step_s": in_step, "model_lone_call_s": lone,
                          "nominal_lone_call_s": old, "used_in_fit": used,

@@ -85,7 +85,7 @@ import optax  # noqa: E402
 
 import alpa_lite as al  # noqa: E402
 import gpt  # noqa: E402
-from alpa_lite.calibrate import calibrate  # noqa: E402
+from alpa_lite.calibrate import calibrate, matmul_chain  # noqa: E402
 from alpa_lite.cost_models.cluster import Cluster  # noqa: E402
 from alpa_lite.hlo import collectives_in_hlo  # noqa: E402
 
@@ -275,27 +275,15 @@ PROBE_CHAIN = 8
 
 def make_probe(cluster: Cluster):
     """(call, model seconds per matmul): the probe of the module docstring."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh
     from alpa_lite.cost_models.compute import compute_time
     m, k, n = PROBE_SHAPE
-    devices = jax.local_devices()
-    mesh = Mesh(np.array(devices), ("d",))
-    put = lambda shape, scale: jax.device_put(   # noqa: E731
-        scale * np.random.default_rng(0).standard_normal(shape).astype(np.float32),
-        NamedSharding(mesh, P("d")))
-    nd = len(devices)
-    x, w1, w2 = put((nd * m, k), 1.0), put((nd * k, n), k ** -0.5), put((nd * n, k), n ** -0.5)
-
-    def body(x, w1, w2):
-        for i in range(PROBE_CHAIN):
-            x = x @ (w1 if i % 2 == 0 else w2)
-        return x
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"),) * 3, out_specs=P("d")))
-    jax.block_until_ready(fn(x, w1, w2))
+    mesh = Mesh(np.array(jax.local_devices()), ("d",))
+    fn, args = matmul_chain(mesh, PROBE_SHAPE, np.float32, PROBE_CHAIN)
+    jax.block_until_ready(fn(*args))
     nbytes = 4 * (m * k + k * n + m * n)
     model_s = compute_time(2.0 * m * k * n, nbytes, cluster.device, "float32", True)
-    return (lambda: jax.block_until_ready(fn(x, w1, w2))), model_s
+    return (lambda: jax.block_until_ready(fn(*args))), model_s
 
 
 def time_rounds(cases: list[Case], rounds: int, controls: dict) -> dict:

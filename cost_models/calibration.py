@@ -27,7 +27,6 @@ Units are in the names: ``_s`` seconds, ``_bytes`` bytes, ``_per_s`` per second.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,7 +34,12 @@ import numpy as np
 
 from alpa_lite.cost_models.cluster import LinkSpec, MeasuredCollective
 from alpa_lite.cost_models.collectives import AxisTopology, CollectiveKind, collective_time
-from alpa_lite.cost_models.devices import _require_int, _require_name, _require_positive
+from alpa_lite.cost_models.devices import (
+    _require_int,
+    _require_name,
+    _require_non_negative,
+    _require_positive,
+)
 
 __all__ = [
     "CollectiveSample",
@@ -95,13 +99,6 @@ def _paired(owner: str, a_name: str, a, b_name: str, b) -> tuple[np.ndarray, np.
     return x, y
 
 
-def _overhead(owner: str, overhead_s: float) -> float:
-    o = float(overhead_s)
-    if not math.isfinite(o) or o < 0:
-        raise ValueError(f"{owner}: overhead_s must be finite and >= 0, got {overhead_s!r}.")
-    return o
-
-
 # --------------------------------------------------------------------------------------
 # Matmul efficiency
 # --------------------------------------------------------------------------------------
@@ -135,7 +132,7 @@ def matmul_efficiencies(
     owner = "matmul_efficiencies"
     f, t = _paired(owner, "flops", flops, "seconds", seconds)
     peak = _require_positive(owner, "peak_flops_per_s", peak_flops_per_s)
-    o = _overhead(owner, overhead_s)
+    o = _require_non_negative(owner, "overhead_s", overhead_s)
     work_s = t - o
     with np.errstate(divide="ignore", invalid="ignore"):
         eff = f / (peak * work_s)

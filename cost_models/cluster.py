@@ -42,6 +42,7 @@ figures a collective is priced with.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 from dataclasses import dataclass
@@ -57,15 +58,32 @@ from alpa_lite.cost_models.devices import (
     _require_positive,
 )
 
-__all__ = ["LinkSpec", "MeasuredCollective", "COLLECTIVE_KINDS", "Cluster", "CLUSTER_JSON_FORMAT"]
+__all__ = [
+    "LinkSpec", "MeasuredCollective", "CollectiveKind", "COLLECTIVE_KINDS", "Cluster",
+    "CLUSTER_JSON_FORMAT",
+]
 
 CLUSTER_JSON_FORMAT = "alpa_lite.cluster/1"
 """The ``"format"`` tag written by :meth:`Cluster.to_json` and required by ``from_json``."""
 
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send-recv")
-"""The collectives a link can carry measured figures for: the values of
-``collectives.CollectiveKind`` (which this module cannot import: it imports this one)."""
+class CollectiveKind(enum.Enum):
+    """Collectives the planner prices; values are the HLO op names. Here rather than in
+    ``collectives.py`` (which prices them) because a link carries figures per collective.
+
+    ``SEND_RECV`` is point-to-point; in HLO it appears as ``collective-permute`` (from
+    ``lax.ppermute``) or as ``send``/``recv`` pairs.
+    """
+
+    ALL_REDUCE = "all-reduce"
+    ALL_GATHER = "all-gather"
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_TO_ALL = "all-to-all"
+    SEND_RECV = "send-recv"
+
+
+COLLECTIVE_KINDS = tuple(k.value for k in CollectiveKind)
+"""The collectives a link can carry measured figures for, by name."""
 
 
 def _check_alpha_beta(spec: Any, owner: str) -> None:

@@ -69,7 +69,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from alpa_lite.cost_models.cluster import Cluster, LinkSpec
+from alpa_lite.cost_models.cluster import Cluster, CollectiveKind, LinkSpec
 from alpa_lite.cost_models.devices import _require_int, _require_non_negative
 
 __all__ = [
@@ -84,20 +84,6 @@ __all__ = [
     "send_recv_time",
     "collective_time",
 ]
-
-
-class CollectiveKind(enum.Enum):
-    """Collectives the planner prices; values are the HLO op names.
-
-    ``SEND_RECV`` is point-to-point; in HLO it appears as ``collective-permute`` (from
-    ``lax.ppermute``) or as ``send``/``recv`` pairs.
-    """
-
-    ALL_REDUCE = "all-reduce"
-    ALL_GATHER = "all-gather"
-    REDUCE_SCATTER = "reduce-scatter"
-    ALL_TO_ALL = "all-to-all"
-    SEND_RECV = "send-recv"
 
 
 class AllReduceAlgorithm(enum.Enum):

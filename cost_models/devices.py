@@ -17,6 +17,7 @@ Units are in the names: ``_per_s`` is per second, ``_bytes`` is bytes.
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
 from dataclasses import dataclass
@@ -268,6 +269,10 @@ class DeviceSpec:
         object.__setattr__(
             self, "op_overhead_s", _require_non_negative(owner, "op_overhead_s", self.op_overhead_s)
         )
+        # The curve's log FLOPs, once: the planner prices matmuls thousands of times.
+        object.__setattr__(
+            self, "_log_flops", tuple(math.log(f) for f, _ in self.matmul_efficiency_curve)
+        )
 
     def matmul_efficiency_at(self, flops: float) -> float:
         """Fraction of peak that one matmul of ``flops`` FLOPs (on one device) reaches.
@@ -292,9 +297,11 @@ class DeviceSpec:
             return curve[0][1]
         if f >= curve[-1][0]:
             return curve[-1][1]
-        xs = np.log([p[0] for p in curve])
-        ys = [p[1] for p in curve]
-        return float(np.interp(math.log(f), xs, ys))
+        x = math.log(f)
+        i = bisect.bisect_right(self._log_flops, x)       # x0 <= x < x1
+        x0, x1 = self._log_flops[i - 1], self._log_flops[i]
+        y0, y1 = curve[i - 1][1], curve[i][1]
+        return (y1 - y0) / (x1 - x0) * (x - x0) + y0
 
     def peak_flops(self, dtype: Any) -> float:
         """Dense peak FLOP/s for ``dtype``.
