@@ -278,7 +278,8 @@ class CompressedExecutable:
           state: the per-worker state, shaped as `state_shapes(*args)`.
           step_count: steps taken (it picks the warm-up phase).
           key: the base PRNG key of the compressors' random choices.
-          replicas: delayed averaging: {argument leaf index: per-worker copies, stacked}.
+          replicas: delayed averaging: {argument leaf index: per-worker copies, stacked},
+            as `alpa_lite.checkpoint` checks and restores them.
         """
         flat = jax.tree.leaves(args)
         self._put_state(state, self.state_shapes(*args))
