@@ -18,21 +18,21 @@ from typing import Any, Callable, Sequence
 import jax
 
 from alpa_lite import compression as C
-from alpa_lite.compressed_planner import make_compressed_plan
-from alpa_lite.compressed_runtime import CompressedExecutable
+from alpa_lite.planning.compression import make_compressed_plan
+from alpa_lite.runtime.compressed import CompressedExecutable
 from alpa_lite.cost_models.cluster import Cluster
-from alpa_lite.distributed import share_from_first
+from alpa_lite.runtime.distributed import share_from_first
 from alpa_lite.errors import PlanMismatchError, PlanningError
-from alpa_lite.graph import Role
-from alpa_lite.methods import Auto, DataParallel, Manual, Method
-from alpa_lite.pipeline_planner import make_pipeline_plan
-from alpa_lite.pipeline_program import StepParts, split_step
-from alpa_lite.pipeline_runtime import PipelineExecutable
+from alpa_lite.ir.graph import Role
+from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method
+from alpa_lite.planning.pipeline import make_pipeline_plan
+from alpa_lite.ir.step_parts import StepParts, split_step
+from alpa_lite.runtime.pipeline import PipelineExecutable
 from alpa_lite.plan import Plan
-from alpa_lite.planner import make_plan, replace_stats
+from alpa_lite.planning.spmd import make_plan, replace_stats
 from alpa_lite.progress import TRACE, Progress, report
-from alpa_lite.runtime import Executable
-from alpa_lite.tracing import TracedStep, trace
+from alpa_lite.runtime.spmd import Executable
+from alpa_lite.ir.tracing import TracedStep, trace
 
 
 class ParallelizedStep:
@@ -195,7 +195,7 @@ class ParallelizedStep:
 
     def with_method(self, method: Method) -> "ParallelizedStep":
         """The same step with another method, sharing this step's traces (tracing a large
-        model takes seconds; `alpa_lite.compare` plans one step many ways)."""
+        model takes seconds; `alpa_lite.tools.compare` plans one step many ways)."""
         other = ParallelizedStep(self.fn, method, self.cluster, self.batch_argnums,
                                  compression=self.compression, on_nonfinite=self.on_nonfinite,
                                  compression_seed=self.compression_seed)

@@ -2,13 +2,13 @@
 all-reduce, for the tiny GPT example data parallel on 8 virtual CPU devices.
 
 For each method the parallelized step is compiled and the collectives in XLA's HLO are
-summed by kind (result bytes per device, `alpa_lite.hlo`). Beside them: the plan's
+summed by kind (result bytes per device, `alpa_lite.runtime.hlo`). Beside them: the plan's
 `wire_bytes` (what the cost model charges: bytes one worker sends per step) for the same
 layout. On one node of 8 devices the exchange runs among them; with `--nodes 2` the same 8
 devices are described as 2 nodes of 4 and the exchange is hierarchical (reduce-scatter and
 all-gather inside a node, the method between nodes).
 
-The HLO's collectives are listed by their result bytes per device (`alpa_lite.hlo`); the
+The HLO's collectives are listed by their result bytes per device (`alpa_lite.runtime.hlo`); the
 "HLO sent" column turns them into bytes one device sends with ring algorithms (all-reduce
 2(n-1)/n of its buffer, all-gather and all-to-all (n-1)/n of their result, n = the op's
 replica group), the measure the plan's `wire_bytes` uses; across nodes only the ops between
@@ -42,7 +42,7 @@ import optax  # noqa: E402
 import alpa_lite as al  # noqa: E402
 import gpt  # noqa: E402
 from alpa_lite import compression as C  # noqa: E402
-from alpa_lite.hlo import bytes_by_kind, collectives_in_hlo  # noqa: E402
+from alpa_lite.runtime.hlo import bytes_by_kind, collectives_in_hlo  # noqa: E402
 
 METHODS = [C.Dense(), C.Cast("bf16"), C.Cast("fp16"), C.TopK(0.01), C.RandomK(0.01),
            C.DGC(0.999, momentum=0.0), C.PowerSGD(rank=2), C.OneBit(), C.SignSGD(),

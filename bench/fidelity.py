@@ -1,7 +1,7 @@
 """Cost-model fidelity: each plan's estimated step time beside its measured one.
 
 CPU mode (default; 8 virtual CPU devices on this machine): calibrate the local devices with
-`alpa_lite.calibrate.calibrate` (matmul efficiency curve, per-matmul overhead, memory
+`alpa_lite.tools.calibrate.calibrate` (matmul efficiency curve, per-matmul overhead, memory
 bandwidth, the intra-process all-reduce link), then plan a small GPT (examples/gpt.py; the
 `--hidden/--layers/--seq/--vocab/--batch-size` knobs, default H=128, L=2, T=64, V=512,
 batch 16, float32: 10-100 ms per step here) every way of `cpu_methods` for the calibrated
@@ -15,7 +15,7 @@ cluster, run each plan, and compare:
 - error = estimate / measured - 1, and Spearman's rank correlation between estimates and
   measurements over the plans (does the estimate rank the plans in the measured order?);
 - for single-stage plans, the collectives the plan predicts beside those in the compiled
-  HLO (`alpa_lite.hlo.collectives_in_hlo`): the count the runtime actually runs.
+  HLO (`alpa_lite.runtime.hlo.collectives_in_hlo`): the count the runtime actually runs.
 
 Two controls are timed in every round with the plans, to tell cost-model error from the
 machine (other work on a shared 2-core machine slows everything it overlaps):
@@ -35,7 +35,7 @@ backward) beside the estimate for the same block (`examples/gpt.py` pieces, a lo
 block output, gradients of the block's parameters) planned DataParallel on the calibrated
 1xH100 cluster. One device: only the compute model is tested. The model FLOPs are checked
 against the probe's before the estimate is reported. Beside it, the same graph priced per
-fused kernel (`alpa_lite.fusion`; an analysis the planner does not use, see its docstring).
+fused kernel (`alpa_lite.planning.fusion`; an analysis the planner does not use, see its docstring).
 
 GPU mode (`--device gpu`, for the lent H100; it cannot run on this machine): one device,
 plans that differ in batch size, micro-batch count and recomputation (`gpu_methods`) for
@@ -85,9 +85,9 @@ import optax  # noqa: E402
 
 import alpa_lite as al  # noqa: E402
 import gpt  # noqa: E402
-from alpa_lite.calibrate import calibrate, matmul_chain  # noqa: E402
+from alpa_lite.tools.calibrate import calibrate, matmul_chain  # noqa: E402
 from alpa_lite.cost_models.cluster import Cluster  # noqa: E402
-from alpa_lite.hlo import collectives_in_hlo  # noqa: E402
+from alpa_lite.runtime.hlo import collectives_in_hlo  # noqa: E402
 
 H100_CLUSTER = _common.RESULTS_DIR / "calibrated_1xH100.json"
 # Published plain-jit block measurement (module docstring); bench/data/README.md.
@@ -146,13 +146,13 @@ def h100_block_point(cluster_path: Path = H100_CLUSTER) -> dict:
 def fusion_diagnostic(graph, cluster: Cluster) -> dict:
     """One device's step priced two ways from the same graph: per equation (each pays all
     its operand and result bytes: what the planner charges, so it should equal the plan's
-    compute) and per fused kernel (`alpa_lite.fusion.fuse`'s traffic, plus a fixed cost per
+    compute) and per fused kernel (`alpa_lite.planning.fusion.fuse`'s traffic, plus a fixed cost per
     element-wise kernel: the H100 fit's element-wise intercept less its dispatch, both from
     bench/results/calibrated_1xH100_fit.json, since each of those rows was one jitted call)."""
     import json
     from alpa_lite.cost_models.compute import compute_time
-    from alpa_lite.fusion import fuse
-    from alpa_lite.strategies import MATMUL
+    from alpa_lite.planning.fusion import fuse
+    from alpa_lite.planning.strategies import MATMUL
     fit = json.loads((_common.RESULTS_DIR / "calibrated_1xH100_fit.json").read_text())["fit"]
     kernel_s = max(0.0, fit["memory_intercept_s"] - fit["dispatch_s"])
     fused = fuse(graph)
@@ -176,7 +176,7 @@ def print_h100_block(r: dict) -> None:
           f"matmul FLOPs {r['matmul_flops']:.4g} (probe {r['probe_model_flops']:.4g})",
           flush=True)
     f = r["fusion_analysis"]
-    print(f"  priced per fused kernel instead (alpa_lite.fusion, not the planner's model): "
+    print(f"  priced per fused kernel instead (alpa_lite.planning.fusion, not the planner's model): "
           f"{f['fused_s'] * 1e3:.2f} ms, error {f['error']:+.0%} ({f['elementwise_kernels']} "
           f"element-wise kernels x {f['kernel_overhead_s'] * 1e6:.1f} us; memory traffic "
           f"{f['fused_bytes'] / 1e9:.1f} GB instead of {f['per_equation_bytes'] / 1e9:.1f} GB)",

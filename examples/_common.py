@@ -1,7 +1,8 @@
 """The command line every example shares: build a model, parallelize its train step, run it.
 
-Each example module (mlp, gpt, moe, wide_resnet, flax_mlp) defines the model and a plain
-JAX + optax train step; its `main` hands the module to `run_example`, which does the rest:
+Each example module (mlp, gpt, moe, wide_resnet, flax_mlp) exposes a model and its plain
+JAX + optax train step (the built-in ones from `alpa_lite.tools.models`, flax_mlp its own);
+its `main` hands the module to `run_example`, which does the rest:
 
     python examples/gpt.py                               # tiny GPT, auto plan, 5 steps on CPU
     python examples/gpt.py --method manual --dp 4 --tp 2
@@ -26,7 +27,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
 import builtins
-import math
 import pathlib
 import time
 from types import ModuleType
@@ -36,6 +36,7 @@ import jax
 import optax
 
 import alpa_lite as al
+from alpa_lite.tools.models.common import count_params, init_args
 
 # -----------------------------------------------------------------------------
 # knobs (each one can be overridden on the command line)
@@ -51,11 +52,6 @@ DEFAULT_SEED = 0
 def example_name(module: ModuleType) -> str:
     """'gpt' for examples/gpt.py, also when it runs as __main__."""
     return pathlib.Path(module.__file__).stem
-
-
-def count_params(params: Any) -> int:
-    """Number of scalars in a pytree of arrays or `jax.ShapeDtypeStruct`s."""
-    return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(params))
 
 
 def format_count(n: int) -> str:
@@ -105,7 +101,7 @@ def build_parser(module: ModuleType) -> argparse.ArgumentParser:
     parser.add_argument("--remat", action="store_true",
                         help="recompute activations in the backward (--method manual)")
     parser.add_argument("--distributed", action="store_true",
-                        help="join a multi-process job first (alpa_lite.distributed."
+                        help="join a multi-process job first (alpa_lite.runtime.distributed."
                              "initialize), e.g. under `alpa-lite launch -n 2`; only "
                              "process 0 prints")
     parser.add_argument("--plan-only", action="store_true",
@@ -186,12 +182,9 @@ def run_example(module: ModuleType, argv: Sequence[str] | None = None) -> None:
         print(plan.summary())
         return
 
-    params_key, batch_key = jax.random.split(jax.random.key(args.seed))
-    # jit: one compilation each instead of an eager dispatch per array
-    params = jax.jit(module.init_params, static_argnums=0)(cfg, params_key)
-    opt_state = jax.jit(tx.init)(params)
     # One synthetic batch, reused every step: the loss falling shows the step learns.
-    batch = jax.jit(module.make_batch, static_argnums=(0, 1))(cfg, batch_size, batch_key)
+    params, opt_state, batch = init_args(module.init_params, module.make_batch, cfg, batch_size,
+                                         tx, seed=args.seed)
     print(f"{example_name(module)} {args.size}: {format_count(count_params(params))} parameters, "
           f"batch {batch_size}, dtype {cfg.dtype}, {jax.device_count()} devices")
     print(step.plan(params, opt_state, batch).summary())

@@ -2,7 +2,8 @@
 
 Written the way the Flax examples write it: an `nn.Module` of `nn.Conv` and `nn.Dense`
 layers, parameters from `model.init(...)["params"]`, the loss calling `model.apply`. The only
-change from stock Flax code is `al.value_and_grad` in place of `jax.value_and_grad`.
+change from stock Flax code is `al.value_and_grad` in place of `jax.value_and_grad`, in the
+train step the built-in models share (`alpa_lite.tools.models.common.make_train_step`).
 
     python examples/flax_mlp.py                              # 5 steps on 8 CPU devices
 """
@@ -13,7 +14,6 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import functools
 import pathlib
 import sys
 from dataclasses import dataclass
@@ -24,7 +24,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import alpa_lite as al
+from alpa_lite.tools.models import common
+# The same random images and labels as the Wide-ResNet's: fields image_size, in_channels,
+# num_classes and dtype.
+from alpa_lite.tools.models.wide_resnet import abstract_batch, make_batch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # run as a script or imported
 import _common  # noqa: E402
@@ -77,21 +80,7 @@ def init_params(cfg: Config, key: jax.Array) -> dict:
 
 def abstract_params(cfg: Config) -> dict:
     """The parameter pytree as `jax.ShapeDtypeStruct`s; nothing is allocated."""
-    return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
-
-
-def make_batch(cfg: Config, batch_size: int, key: jax.Array) -> dict:
-    """Random images {'images': (B, H, W, C_in)} with random int32 'labels' (B,)."""
-    k_img, k_lbl = jax.random.split(key)
-    shape = (batch_size, cfg.image_size, cfg.image_size, cfg.in_channels)
-    return {"images": jax.random.normal(k_img, shape, jnp.float32).astype(cfg.dtype),
-            "labels": jax.random.randint(k_lbl, (batch_size,), 0, cfg.num_classes, jnp.int32)}
-
-
-def abstract_batch(cfg: Config, batch_size: int) -> dict:
-    shape = (batch_size, cfg.image_size, cfg.image_size, cfg.in_channels)
-    return {"images": jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype)),
-            "labels": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
+    return common.abstract_params(init_params, cfg)
 
 
 def loss_fn(params: dict, batch: dict, cfg: Config) -> jax.Array:
@@ -102,21 +91,15 @@ def loss_fn(params: dict, batch: dict, cfg: Config) -> jax.Array:
 
 
 def make_train_step(cfg: Config, tx: optax.GradientTransformation) -> Callable:
-    """(params, opt_state, batch) -> (params, opt_state, loss): one optax update."""
-
-    def train_step(params, opt_state, batch):
-        loss, grads = al.value_and_grad(loss_fn)(params, batch, cfg)  # the one alpa_lite change
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return train_step
+    """(params, opt_state, batch) -> (params, opt_state, loss): one optax update, with
+    `al.value_and_grad` in place of `jax.value_and_grad` (`common.make_train_step`)."""
+    return common.make_train_step(loss_fn, cfg, tx)
 
 
 def abstract_args(cfg: Config, batch_size: int,
                   tx: optax.GradientTransformation) -> tuple[Any, Any, Any]:
     """(params, opt_state, batch) as `jax.ShapeDtypeStruct`s, for planning without allocating."""
-    params = abstract_params(cfg)
-    return params, jax.eval_shape(tx.init, params), abstract_batch(cfg, batch_size)
+    return common.abstract_args(init_params, abstract_batch, cfg, batch_size, tx)
 
 
 def main(argv=None) -> None:

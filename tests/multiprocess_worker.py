@@ -1,11 +1,11 @@
-"""One process of the multi-process tests (started by alpa_lite.launch, never by pytest).
+"""One process of the multi-process tests (started by alpa_lite.tools.launch, never by pytest).
 
     python tests/multiprocess_worker.py train OUT_DIR mlp:dp gpt:tp ...
     python tests/multiprocess_worker.py restore CKPT_DIR OUT_DIR gpt:pp gpt:tp ...
     python tests/multiprocess_worker.py forever CKPT_DIR
     python tests/multiprocess_worker.py calibrate OUT_DIR
 
-Each joins the job with `alpa_lite.distributed.initialize()`.
+Each joins the job with `alpa_lite.runtime.distributed.initialize()`.
 - train: for each `example:method[:local]`, trains the example's tiny config for
   `_reference.STEPS` SGD-momentum steps with that method and writes the losses, the final
   parameters (fetched to every process) and the processes each stage ran on to
@@ -13,7 +13,7 @@ Each joins the job with `alpa_lite.distributed.initialize()`.
   batch rows its devices hold (`process_rows`), as a multi-host job loads data.
 - restore: restores the (params, opt_state) checkpoint in CKPT_DIR onto the method's plan
   and writes the next step's loss and the restored leaves' process sets.
-- calibrate: `alpa_lite.calibrate.calibrate(quick=True)`; each process writes the cluster
+- calibrate: `alpa_lite.tools.calibrate.calibrate(quick=True)`; each process writes the cluster
   it got to OUT_DIR/cluster_p<process>.json.
 - forever: trains the MLP with DataParallel, saving a checkpoint after step 2, and prints
   "step <i>" until it is killed (the fault test kills one process).
@@ -126,7 +126,7 @@ def main() -> None:
         for item in rest[2:]:
             restore(pathlib.Path(rest[0]), pathlib.Path(rest[1]), *item.split(":"))
     elif mode == "calibrate":
-        from alpa_lite.calibrate import calibrate
+        from alpa_lite.tools.calibrate import calibrate
         cluster, _ = calibrate(quick=True)
         (pathlib.Path(rest[0]) / f"cluster_p{jax.process_index()}.json").write_text(
             cluster.to_json())

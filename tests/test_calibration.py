@@ -345,7 +345,7 @@ def test_can_run_on_accepts_a_calibrated_description_of_the_local_devices():
 
 @pytest.fixture(scope="module")
 def calibrated():
-    from alpa_lite.calibrate import calibrate
+    from alpa_lite.tools.calibrate import calibrate
     phases = []
     cluster, report = calibrate(quick=True, progress=lambda p, d, t: phases.append(p))
     return cluster, report, phases
@@ -394,7 +394,7 @@ def test_calibrated_cluster_plans_and_runs_the_mlp_example(calibrated):
     _, _, loss = step(*args)
     _, _, expected = jax.jit(train_step)(*args)
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
-    from alpa_lite.compare import _check_measurable
+    from alpa_lite.tools.compare import _check_measurable
     _check_measurable(cluster, args)       # compare(measure=True) accepts it
 
 
@@ -402,7 +402,7 @@ def test_cli_calibrate_writes_a_cluster_that_plan_accepts(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "alpa_lite.cli", *args], cwd=tmp_path,
+        return subprocess.run([sys.executable, "-m", "alpa_lite.tools.cli", *args], cwd=tmp_path,
                               capture_output=True, text=True, env=env, timeout=300)
 
     proc = cli("calibrate", "-o", "mine.json", "--quick", "--report", "report.json")

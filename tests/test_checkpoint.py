@@ -1,4 +1,4 @@
-"""Checkpoints of the training state (alpa_lite.checkpoint) on 8 virtual CPU devices.
+"""Checkpoints of the training state (alpa_lite.tools.checkpoint) on 8 virtual CPU devices.
 
 Each test trains the tiny MLP example a few steps, saves, goes on (the uninterrupted run),
 and compares with a fresh `al.parallelize`d step restored from the checkpoint, as a

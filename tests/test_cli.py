@@ -16,10 +16,14 @@ import jax
 import pytest
 
 import alpa_lite as al
-from alpa_lite import cli, explain, pictures, plan_report, progress
+from alpa_lite.tools import cli
+from alpa_lite.tools import explain
+from alpa_lite.tools import pictures
+from alpa_lite.tools import report as plan_report
+from alpa_lite import progress
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.solvers.sharding_ilp import evaluate
-from alpa_lite.targets import TargetError, load_target
+from alpa_lite.tools.targets import TargetError, load_target
 
 USER_FILE = textwrap.dedent('''
     import jax
@@ -75,8 +79,8 @@ USER_FILE = textwrap.dedent('''
 
 
 def run(*args, cwd, check_rc=None):
-    """`python -m alpa_lite.cli ARGS` in `cwd`: (rc, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, "-m", "alpa_lite.cli", *map(str, args)], cwd=cwd,
+    """`python -m alpa_lite.tools.cli ARGS` in `cwd`: (rc, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "alpa_lite.tools.cli", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, env=os.environ.copy(), timeout=600)
     if check_rc is not None:
         assert proc.returncode == check_rc, (proc.returncode, proc.stdout[-2000:],
@@ -192,7 +196,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(workdir):
         (["plan", "mlp-tiny", "--cluster", "8xV100", "--micro-batches", "zero"], 2,
          "--micro-batches"),
     ]
-    procs = [subprocess.Popen([sys.executable, "-m", "alpa_lite.cli", *args], cwd=workdir,
+    procs = [subprocess.Popen([sys.executable, "-m", "alpa_lite.tools.cli", *args], cwd=workdir,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for args, _, _ in cases]
     for (args, code, fragment), proc in zip(cases, procs):
@@ -215,7 +219,7 @@ def test_compare_gpt_2_6b_on_8xv100_ranks_auto_first(workdir):
     # CLI runs beside the in-process call (2 cores).
     args = ["compare", "gpt-2.6b", "--cluster", "8xV100", "--batch-size", "8",
             "--micro-batches", "1", "--json", "gpt_rows.json"]
-    proc = subprocess.Popen([sys.executable, "-m", "alpa_lite.cli", *args], cwd=workdir,
+    proc = subprocess.Popen([sys.executable, "-m", "alpa_lite.tools.cli", *args], cwd=workdir,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cluster = Cluster.preset("8xV100")
     target = load_target("gpt-2.6b", batch_size=8, cluster=cluster)

@@ -16,7 +16,7 @@ import pytest
 
 import alpa_lite as al
 from alpa_lite import compression as C
-from alpa_lite.hlo import bytes_by_kind, collectives_in_hlo
+from alpa_lite.runtime.hlo import bytes_by_kind, collectives_in_hlo
 from alpa_lite.plan import Plan
 
 from _reference import STEPS, reference_run, run_steps as run

@@ -8,6 +8,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import dataclasses
 import json
 import math
 
@@ -281,10 +282,14 @@ def test_local_cluster_on_cpu_devices():
 class _FakeDevice:
     """Stands in for a jax Device: only the attributes Cluster.local() reads."""
 
-    def __init__(self, platform, kind, process_index):
+    def __init__(self, platform, kind, process_index, memory_bytes=None):
         self.platform = platform
         self.device_kind = kind
         self.process_index = process_index
+        self.memory_bytes = memory_bytes
+
+    def memory_stats(self):
+        return None if self.memory_bytes is None else {"bytes_limit": self.memory_bytes}
 
 
 def test_local_cluster_maps_gpu_kinds_and_processes(monkeypatch):
@@ -303,11 +308,6 @@ def test_local_cluster_maps_gpu_kinds_and_processes(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda: fake)
     assert Cluster.local().device == DEVICES["V100"]
 
-    fake = [_FakeDevice("gpu", "NVIDIA GeForce RTX 4090", 0)]
-    monkeypatch.setattr(jax, "devices", lambda: fake)
-    with pytest.raises(ValueError, match="unknown GPU device_kind.*preset.*from_json"):
-        Cluster.local()
-
     fake = [_FakeDevice("cpu", "cpu", p) for p in (0, 1, 1)]
     monkeypatch.setattr(jax, "devices", lambda: fake)
     with pytest.raises(ValueError, match="unequal device counts"):
@@ -319,6 +319,63 @@ def test_local_cluster_maps_gpu_kinds_and_processes(monkeypatch):
     c = Cluster.local()
     assert (c.num_nodes, c.devices_per_node) == (2, 4)
     assert c.inter_node is not None and c.inter_node.name == "cpu-loopback"
+
+
+def test_local_cluster_gives_an_h200_its_datasheet_figures(monkeypatch):
+    import jax
+
+    fake = [_FakeDevice("gpu", "NVIDIA H200", 0) for _ in range(8)]    # JAX's device_kind
+    monkeypatch.setattr(jax, "devices", lambda: fake)
+    c = Cluster.local()
+    assert c.device == DEVICES["H200"] and c.name == "local-gpu-1x8"
+    # H200 datasheet: HBM3e 141 GB at 4.8 TB/s; Hopper compute as the H100 SXM.
+    assert c.device.memory_bytes == 141e9
+    assert c.device.memory_bandwidth_bytes_per_s == 4.8e12
+    assert c.device.peak_flops("bfloat16") == c.device.peak_flops("float16") == 989e12
+    assert c.device.peak_flops("float32") == DEVICES["H100"].peak_flops("float32")
+    # NVLink 4 (900 GB/s bidirectional) between the 8 GPUs, as on the 8xH100 preset.
+    assert c.intra_node == Cluster.preset("8xH100").intra_node and c.inter_node is None
+
+
+def test_device_kinds_map_to_their_rows():
+    from alpa_lite.cost_models.cluster import device_key
+
+    assert device_key("gpu", "NVIDIA H200") == "H200"
+    assert device_key("gpu", "NVIDIA H100 80GB HBM3") == "H100"
+    assert device_key("cuda", "NVIDIA A100-SXM4-80GB") == "A100"
+    assert device_key("gpu", "Tesla V100-SXM2-16GB") == "V100"
+    assert device_key("cpu", "cpu") == "CPU"
+    # A Grace Hopper superchip has other memory than an H200; a TPU no row at all.
+    assert device_key("gpu", "NVIDIA GH200 480GB") is None
+    assert device_key("tpu", "TPU v5 lite") is None
+
+
+@pytest.mark.parametrize("platform,kind", [("gpu", "NVIDIA GeForce RTX 4090"),
+                                           ("tpu", "TPU v5 lite")])
+def test_local_cluster_says_how_to_describe_an_unknown_device(monkeypatch, platform, kind):
+    import jax
+
+    fake = [_FakeDevice(platform, kind, 0, memory_bytes=24e9) for _ in range(4)]
+    monkeypatch.setattr(jax, "devices", lambda: fake)
+    with pytest.raises(ValueError) as info:
+        Cluster.local()
+    message = str(info.value)
+    for fragment in (f"device_kind {kind!r}", f"platform {platform!r}",
+                     "alpa-lite calibrate -o cluster.json", "Cluster.to_json",
+                     "alpa-lite clusters --json", "--cluster cluster.json",
+                     "cluster=al.Cluster.from_json(", f'"platform": "{platform}"'):
+        assert fragment in message, (fragment, message)
+
+    # What calibration starts from, and what a calibrated cluster is checked against: the
+    # devices' shape, with a placeholder device (memory as JAX reports it).
+    local = Cluster.local(allow_unknown=True)
+    assert (local.platform, local.num_nodes, local.devices_per_node) == (platform, 1, 4)
+    assert local.device.name == f"{kind} (uncalibrated)"
+    assert local.device.memory_bytes == 24e9
+    described = dataclasses.replace(Cluster.preset("8xA100"), name="mine", devices_per_node=4,
+                                    platform=platform)
+    assert described.can_run_on(local)
+    assert not Cluster.preset("8xA100").can_run_on(local)
 
 
 # ------------------------------------------------------------------ mesh axis topology

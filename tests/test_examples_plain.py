@@ -117,8 +117,8 @@ def test_train_step_marks_params_and_grads(module):
     jaxpr = jax.make_jaxpr(module.make_train_step(cfg, tx))(
         *module.abstract_args(cfg, cfg.batch_size, tx))
     kinds = {eqn.params["kind"] for eqn in jaxpr.jaxpr.eqns
-             if eqn.primitive is alpa_lite.markers.marker_p}
-    assert kinds == {alpa_lite.markers.PARAM, alpa_lite.markers.GRAD}
+             if eqn.primitive is alpa_lite.ir.markers.marker_p}
+    assert kinds == {alpa_lite.ir.markers.PARAM, alpa_lite.ir.markers.GRAD}
 
 
 @pytest.mark.parametrize("module", SIZED_MODULES, ids=_name)

@@ -1,4 +1,4 @@
-"""alpa_lite.fusion: XLA-style fusion groups, their memory traffic and kernel counts.
+"""alpa_lite.planning.fusion: XLA-style fusion groups, their memory traffic and kernel counts.
 
 Each test traces a tiny function (float32 unless said: 4 bytes per element) and checks the
 groups, the bytes each group moves (reads of tensors made outside it + results that leave
@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpa_lite.fusion import fuse
-from alpa_lite.tracing import trace
+from alpa_lite.planning.fusion import fuse
+from alpa_lite.ir.tracing import trace
 
 
 def _graph(fn, *args):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from alpa_lite.errors import PlanningError
-from alpa_lite.graph import Role
-from alpa_lite.microbatch import check_microbatching
-from alpa_lite.tracing import trace_flat
+from alpa_lite.ir.graph import Role
+from alpa_lite.ir.microbatch import check_microbatching
+from alpa_lite.ir.tracing import trace_flat
 
 B, D, H = 16, 8, 4          # full batch, input features, outputs
 W = jax.ShapeDtypeStruct((D, H), jnp.float32)

@@ -1,5 +1,5 @@
 """Multi-process runs: 2 processes x 4 virtual CPU devices on 127.0.0.1, joined by
-`jax.distributed` (gloo collectives), started by `alpa_lite.launch`.
+`jax.distributed` (gloo collectives), started by `alpa_lite.tools.launch`.
 
 Each test starts its processes with `LocalJob`, which stops every one of them when the
 test leaves it, also when the test fails. The processes run tests/multiprocess_worker.py;
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import alpa_lite as al
-from alpa_lite.launch import LocalJob, launch
+from alpa_lite.tools.launch import LocalJob, launch
 
 from _reference import reference_run, run_steps
 
@@ -148,7 +148,7 @@ def test_launcher_stops_processes_on_timeout():
 
 
 def test_cli_launch(tmp_path, capsys):
-    from alpa_lite.cli import main
+    from alpa_lite.tools.cli import main
     script = tmp_path / "hello.py"
     script.write_text(
         "import sys\n"

@@ -16,8 +16,8 @@ import pytest
 import alpa_lite as al
 from alpa_lite.cost_models import DeviceSpec, LinkSpec
 from alpa_lite.cost_models.collectives import all_reduce_time, mesh_axis_topology
-from alpa_lite.graph import Role
-from alpa_lite.planner import megatron_weight_dims
+from alpa_lite.ir.graph import Role
+from alpa_lite.planning.spmd import megatron_weight_dims
 
 BANDWIDTH = 1e9  # bytes/s, 1 GB/s: times are bytes / 1e9
 

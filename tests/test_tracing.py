@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from alpa_lite.op_rules import dim_labels, enumerate_assignments
-from alpa_lite.tracing import trace
+from alpa_lite.ir.op_rules import dim_labels, enumerate_assignments
+from alpa_lite.ir.tracing import trace
 
 
 def _graph(fn, *args):

@@ -9,7 +9,7 @@ to arrive. Each worker's parameters drift from the others' by its last D local g
 (the correction keeps the drift bounded; without it, applying stale averages alone loses
 accuracy, as the paper's table shows). The exchange itself may be compressed.
 
-This module holds the setting; the runtime (`alpa_lite.compressed_runtime`) keeps, per
+This module holds the setting; the runtime (`alpa_lite.runtime.compressed`) keeps, per
 worker, its parameters, the last D local gradients and the last D averages.
 """
 

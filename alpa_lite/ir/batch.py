@@ -1,0 +1,35 @@
+"""Which dimension of each tensor carries the batch, followed from the batch inputs through
+every operator's dimension labels."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from alpa_lite.ir.graph import OpGraph, Role
+from alpa_lite.ir.op_rules import dim_labels
+
+
+def batch_dims(graph: OpGraph, seeds: Mapping[int, int | None] | None = None) -> dict[int, int]:
+    """For each tensor that carries the batch, which dimension it is (the leading dimension
+    of the batch inputs, or `seeds[t]` where given, followed through every operator's
+    dimension labels)."""
+    seeds = seeds or {}
+    found: dict[int, int] = {}
+    for t in graph.tensors_with_role(Role.BATCH):
+        d = seeds.get(t.id, 0)
+        if t.shape and d is not None:
+            found[t.id] = d
+    for node in graph.nodes:
+        ins = [None if t is None else graph.tensors[t].shape for t in node.inputs]
+        labels = dim_labels(node.primitive, node.params, ins,
+                            [graph.tensors[t].shape for t in node.outputs])
+        if labels is None:
+            continue
+        label = next((labels.operands[p][found[t]] for p, t in enumerate(node.inputs)
+                      if t in found and labels.operands[p] is not None), None)
+        if label is None:
+            continue
+        for t, lab in zip(node.outputs, labels.outputs):
+            if label in lab:
+                found[t] = lab.index(label)
+    return found

@@ -1,0 +1,404 @@
+"""A pipelined step as programs: the loss cut into layers and stages, per stage a forward
+and a backward, and the apply-gradient part placed with the parameters it updates.
+
+`split_step` traces the step with its `al.value_and_grad` call captured (one
+`alpa_grad_call` node, see `markers.capture_grad_calls`) and traces the loss function alone
+at micro-batch size: that *forward graph* is what layers and stages cut. `stage_program`
+turns a contiguous node range of it into a `StageProgram`: a traced forward+backward graph
+(`jax.vjp` of the range), split into the part that runs when the micro-batch goes forward
+and the part that runs when its gradient comes back. The same function gives a single
+layer's program, which is how the stage DP is costed.
+
+Micro-batching changes a step's math unless every example's loss is independent of the
+others (no batch statistics, no capacity over the whole batch) and the loss is a mean or a
+sum over examples; `alpa_lite.ir.microbatch` checks this and says how to combine micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import weakref
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from alpa_lite.errors import PlanningError
+from alpa_lite.ir.graph import OpGraph, Role
+from alpa_lite.ir.microbatch import check_microbatching
+from alpa_lite.ir.tracing import TracedStep, trace, trace_flat
+
+GRAD_CALL = "alpa_grad_call"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepParts:
+    """A step split around its gradient call.
+
+    `outer` is the whole step with the gradient call as node `grad_node`; `forward` is the
+    loss function at micro-batch size, its inputs the call's array operands in order (params
+    with Role.PARAM, batch leaves with Role.BATCH) and its one output the loss.
+    """
+    outer: TracedStep
+    grad_node: int
+    call: Any                               # markers.GradCall
+    forward: TracedStep
+    batch_inputs: tuple[bool, ...]          # per forward input: sliced into micro-batches
+    num_micro_batches: int
+    loss_scale: float                       # mean over micro-batches (1/m) or sum (1.0)
+
+    @property
+    def apply_nodes(self) -> tuple[int, ...]:
+        """Outer nodes other than the gradient call: they run once per step."""
+        return tuple(n.id for n in self.outer.graph.nodes if n.id != self.grad_node)
+
+    def grad_outputs(self) -> tuple[int, ...]:
+        """Outer tensor ids of the gradient leaves, per differentiated forward input."""
+        node = self.outer.graph.nodes[self.grad_node]
+        return node.outputs[self.call.num_value_leaves:]
+
+    def value_output(self) -> int:
+        return self.outer.graph.nodes[self.grad_node].outputs[0]
+
+
+def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
+               num_micro_batches: int) -> StepParts:
+    """Traces `fn(*args)` for pipelining (see the module docstring).
+
+    Raises:
+      PlanningError: the step has no `al.value_and_grad` / `al.grad` call or more than one,
+        its operands are computed inside the step, `has_aux` is used, the batch does not
+        divide into micro-batches, or micro-batching would change the loss.
+    """
+    outer = trace(fn, args, batch_argnums, capture=True)
+    g = outer.graph
+    calls = [n for n in g.nodes if n.primitive == GRAD_CALL]
+    if not calls:
+        raise PlanningError(
+            "a pipelined plan needs the step's gradient from al.value_and_grad or al.grad "
+            "(drop-in for the jax functions): none was found in the step")
+    if len(calls) > 1:
+        raise PlanningError(
+            f"the step computes {len(calls)} gradients; a pipelined plan supports one "
+            "al.value_and_grad / al.grad call per step")
+    node = calls[0]
+    call = outer.grad_calls[node.params["index"]]
+    for pos, tid in enumerate(node.inputs):
+        if tid is not None and g.producer(tid) is not None:
+            raise PlanningError(
+                f"operand {pos} of value_and_grad ({g.tensors[tid].name}) is computed inside "
+                "the step; a pipelined plan needs the loss function's array arguments to be "
+                "step arguments (pass them in, or compute them inside the loss function)")
+    m = num_micro_batches
+    avals, roles, names, batch_inputs = [], [], [], []
+    diff = set(call.grad_leaves)
+    for pos, (aval, tid) in enumerate(zip(call.avals, node.inputs)):
+        is_batch = tid is not None and g.tensors[tid].role is Role.BATCH
+        name = g.tensors[tid].name if tid is not None else f"const{pos}"
+        shape = tuple(aval.shape)
+        if is_batch:
+            if not shape:
+                raise PlanningError(f"batch leaf {name} is a scalar; micro-batching needs a "
+                                    "leading batch dimension")
+            if shape[0] % m:
+                raise PlanningError(
+                    f"batch leaf {name} has leading dimension {shape[0]}, which is not "
+                    f"divisible by num_micro_batches={m}; use a batch size that is a "
+                    f"multiple of {m} or another micro-batch count")
+            shape = (shape[0] // m,) + shape[1:]
+        avals.append(jax.ShapeDtypeStruct(shape, aval.dtype))
+        roles.append(Role.PARAM if pos in diff else Role.BATCH if is_batch else Role.OPT_STATE)
+        names.append(name)
+        batch_inputs.append(is_batch)
+    forward = trace_flat(lambda *xs: (call.loss(*xs),), avals, roles, names)
+    out = forward.graph.tensors[forward.graph.outputs[0]]
+    if out.shape != () or not _is_float(out.dtype):
+        raise PlanningError(f"the loss must be a float scalar, got {out.dtype}{list(out.shape)}")
+    scale = 1.0
+    if m > 1:
+        full = trace_flat(lambda *xs: (call.loss(*xs),),
+                          [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in call.avals],
+                          roles, names)
+        scale = check_microbatching(forward, full, m)
+    return StepParts(outer=outer, grad_node=node.id, call=call, forward=forward,
+                     batch_inputs=tuple(batch_inputs), num_micro_batches=m, loss_scale=scale)
+
+
+_LOCAL_FORWARDS: "weakref.WeakKeyDictionary[StepParts, dict]" = weakref.WeakKeyDictionary()
+
+
+def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
+    """The loss function traced at 1/`replicas` of the micro-batch (what one data-parallel
+    replica computes), and the scale that turns a replica's loss into its share of the
+    micro-batch loss (1/replicas for a mean, 1.0 for a sum). Node and tensor ids equal the
+    micro-batch trace's, so a stage plan's specs apply to it.
+
+    Raises:
+      PlanningError: the micro-batch does not split so, or splitting it changes the loss.
+    """
+    cache = _LOCAL_FORWARDS.setdefault(parts, {})
+    if replicas not in cache:
+        g = parts.forward.graph
+        avals, roles, names = [], [], []
+        for t, is_batch in zip(g.inputs, parts.batch_inputs):
+            tt = g.tensors[t]
+            shape = tuple(tt.shape)
+            if is_batch:
+                if shape[0] % replicas:
+                    raise PlanningError(
+                        f"batch leaf {tt.name} has {shape[0]} examples per micro-batch, "
+                        f"which do not split over {replicas} replicas")
+                shape = (shape[0] // replicas,) + shape[1:]
+            avals.append(jax.ShapeDtypeStruct(shape, np.dtype(tt.dtype)))
+            roles.append(tt.role)
+            names.append(tt.name)
+        call = parts.call
+        local = trace_flat(lambda *xs: (call.loss(*xs),), avals, roles, names)
+        cache[replicas] = (local, check_microbatching(local, parts.forward, replicas))
+    return cache[replicas]
+
+
+# ---- stages ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageProgram:
+    """Forward nodes `[start, stop)` of the forward graph as a pipeline stage.
+
+    `fb` is the traced `jax.vjp` of the range: its inputs are the stage's parameters, its
+    other inputs (activations from earlier stages, batch leaves), and a cotangent per
+    differentiable output; its outputs are the stage's outputs, the parameter gradients and
+    the gradients of the differentiable activation inputs.
+    """
+    start: int
+    stop: int
+    fb: TracedStep
+    params: tuple[int, ...]           # forward tensor ids, in fb input order
+    acts: tuple[int, ...]             # forward tensor ids of the other inputs
+    diff_acts: tuple[bool, ...]       # per act: a cotangent flows back to its producer
+    outputs: tuple[int, ...]          # forward tensor ids the range hands on (or the loss)
+    diff_outputs: tuple[bool, ...]    # per output: expects a cotangent
+    fwd_nodes: tuple[int, ...]        # fb node ids run in the forward task
+    bwd_nodes: tuple[int, ...]        # fb node ids run in the backward task (no remat)
+    remat_nodes: tuple[int, ...]      # fb node ids run in the backward task with remat
+    residuals: tuple[int, ...]        # fb tensor ids kept from forward to backward
+    structure: str                    # hash: equal for ranges that compute the same way
+
+    @property
+    def fb_params(self) -> tuple[int, ...]:
+        return self.fb.graph.inputs[:len(self.params)]
+
+    @property
+    def fb_acts(self) -> tuple[int, ...]:
+        p = len(self.params)
+        return self.fb.graph.inputs[p:p + len(self.acts)]
+
+    @property
+    def fb_cts(self) -> tuple[int, ...]:
+        return self.fb.graph.inputs[len(self.params) + len(self.acts):]
+
+    @property
+    def fb_outputs(self) -> tuple[int, ...]:
+        return self.fb.graph.outputs[:len(self.outputs)]
+
+    @property
+    def fb_param_grads(self) -> tuple[int, ...]:
+        o = len(self.outputs)
+        return self.fb.graph.outputs[o:o + len(self.params)]
+
+    @property
+    def fb_act_grads(self) -> tuple[int, ...]:
+        return self.fb.graph.outputs[len(self.outputs) + len(self.params):]
+
+
+_PARAM_DEPENDENT: "weakref.WeakKeyDictionary[OpGraph, frozenset[int]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _param_dependent(forward: OpGraph) -> frozenset[int]:
+    """Tensors computed from a parameter (they need a gradient); once per forward graph,
+    however many ranges of it become stages."""
+    if forward not in _PARAM_DEPENDENT:
+        dep = {t.id for t in forward.tensors if t.role is Role.PARAM}
+        for node in forward.nodes:
+            if any(t in dep for t in node.inputs if t is not None):
+                dep.update(node.outputs)
+        _PARAM_DEPENDENT[forward] = frozenset(dep)
+    return _PARAM_DEPENDENT[forward]
+
+
+def _is_float(dtype: str) -> bool:
+    return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))   # bfloat16 included
+
+
+def range_io(forward: OpGraph, start: int, stop: int) -> tuple[list[int], list[int]]:
+    """Inputs (read in the range, made before it or program inputs) and outputs (made in the
+    range, read after it or a program output) of forward nodes [start, stop)."""
+    made = {t for n in forward.nodes[start:stop] for t in n.outputs}
+    ins: list[int] = []
+    for n in forward.nodes[start:stop]:
+        for t in n.inputs:
+            if t is not None and t not in made and t not in ins \
+                    and forward.tensors[t].role is not Role.CONST:
+                ins.append(t)
+    later = {t for n in forward.nodes[stop:] for t in n.inputs if t is not None}
+    outs = [t for n in forward.nodes[start:stop] for t in n.outputs
+            if t in later or t in forward.outputs]
+    return ins, outs
+
+
+def replay(traced: TracedStep, node_ids: Sequence[int], env: dict[int, Any],
+           tensor_sharding: dict | None = None, operand_sharding: dict | None = None) -> None:
+    """Runs graph nodes in order, reading and writing `env` (tensor id -> value); with
+    shardings, pins results and resharded operands with `with_sharding_constraint`."""
+    wsc = jax.lax.with_sharding_constraint
+    g = traced.graph
+    for i in node_ids:
+        node, prim = g.nodes[i], traced.primitives[i]
+        with jax.named_scope(node.name):
+            args = []
+            for pos, t in enumerate(node.inputs):
+                if t is None:
+                    x = traced.literals[(node.id, pos)]
+                elif t in env:
+                    x = env[t]
+                else:
+                    x = traced.consts[t]
+                s = operand_sharding.get((node.id, pos)) if operand_sharding else None
+                args.append(x if s is None else wsc(x, s))
+            outs = prim.bind(*args, **prim.get_bind_params(dict(node.params)))
+            if not prim.multiple_results:
+                outs = [outs]
+            for t, o in zip(node.outputs, outs):
+                s = tensor_sharding.get(t) if tensor_sharding else None
+                env[t] = o if s is None else wsc(o, s)
+
+
+def structure_hash(forward: TracedStep, start: int, stop: int) -> str:
+    """Equal for two node ranges that compute the same way on same-shaped inputs (e.g. two
+    transformer blocks): primitives, parameters, literals, shapes and the wiring, with tensor
+    ids renumbered locally."""
+    g = forward.graph
+    h = hashlib.sha256()
+    local: dict[int, int] = {}
+
+    def ref(t):
+        if t not in local:
+            tt = g.tensors[t]
+            local[t] = len(local)
+            h.update(f"in{tt.shape}{tt.dtype}{tt.role.value}".encode())
+        return local[t]
+
+    for n in g.nodes[start:stop]:
+        parts = [n.primitive, repr(sorted((k, repr(v)) for k, v in n.params.items()))]
+        for pos, t in enumerate(n.inputs):
+            if t is None:
+                parts.append(f"lit{np.asarray(forward.literals[(n.id, pos)]).tolist()!r}")
+            elif g.tensors[t].role is Role.CONST:
+                parts.append(f"const{hashlib.sha256(np.asarray(forward.consts[t]).tobytes()).hexdigest()[:8]}")
+            else:
+                parts.append(str(ref(t)))
+        for t in n.outputs:
+            local[t] = len(local)
+            parts.append(f"{g.tensors[t].shape}{g.tensors[t].dtype}")
+        h.update("|".join(parts).encode())
+    ins, outs = range_io(g, start, stop)
+    h.update(f"out{[local.get(t) for t in outs]}".encode())
+    return h.hexdigest()[:20]
+
+
+def stage_program(forward: TracedStep, start: int, stop: int,
+                  like: StageProgram | None = None) -> StageProgram:
+    """The forward and backward programs of forward nodes [start, stop) (see StageProgram).
+
+    `like`: a program of a range with the same `structure_hash`; its traced graph is reused
+    (repeated layers are traced once) when the same inputs and outputs carry gradients."""
+    g = forward.graph
+    ins, outs = range_io(g, start, stop)
+    dep = _param_dependent(g)
+    params = [t for t in ins if g.tensors[t].role is Role.PARAM]
+    acts = [t for t in ins if g.tensors[t].role is not Role.PARAM]
+    diff_acts = [t in dep and _is_float(g.tensors[t].dtype) for t in acts]
+    diff_outs = [t in dep and _is_float(g.tensors[t].dtype) for t in outs]
+    if like is not None and like.diff_acts == tuple(diff_acts) \
+            and like.diff_outputs == tuple(diff_outs):
+        return dataclasses.replace(like, start=start, stop=stop, params=tuple(params),
+                                   acts=tuple(acts), outputs=tuple(outs))
+    node_ids = list(range(start, stop))
+    P, A = len(params), len(acts)
+
+    def fb(*leaves):
+        p_vals, a_vals, cts = leaves[:P], leaves[P:P + A], leaves[P + A:]
+        d_idx = [i for i in range(A) if diff_acts[i]]
+
+        def f(ps, das):
+            env = dict(zip(params, ps))
+            full = list(a_vals)
+            for i, x in zip(d_idx, das):
+                full[i] = x
+            env.update(zip(acts, full))
+            replay(forward, node_ids, env)
+            vals = [env[t] for t in outs]
+            return ([v for v, d in zip(vals, diff_outs) if d],
+                    [v for v, d in zip(vals, diff_outs) if not d])
+
+        dvals, vjp, ndvals = jax.vjp(f, list(p_vals), [a_vals[i] for i in d_idx], has_aux=True)
+        gp, ga = vjp(list(cts))
+        dv, nv = iter(dvals), iter(ndvals)
+        vals = [next(dv) if d else next(nv) for d in diff_outs]
+        return tuple(vals) + tuple(gp) + tuple(ga)
+
+    avals = [g.tensors[t] for t in params + acts] + [g.tensors[t] for t, d in zip(outs, diff_outs) if d]
+    roles = [Role.PARAM] * P + [Role.BATCH] * (len(avals) - P)
+    names = [g.tensors[t].name for t in params + acts] + \
+        [f"d/{g.tensors[t].name}" for t, d in zip(outs, diff_outs) if d]
+    fb_traced = trace_flat(fb, [jax.ShapeDtypeStruct(t.shape, np.dtype(t.dtype)) for t in avals],
+                           roles, names)
+    fwd, bwd, remat, residuals = _split_fb(fb_traced.graph, P + A, len(outs))
+    return StageProgram(start=start, stop=stop, fb=fb_traced, params=tuple(params),
+                        acts=tuple(acts), diff_acts=tuple(diff_acts), outputs=tuple(outs),
+                        diff_outputs=tuple(diff_outs), fwd_nodes=fwd, bwd_nodes=bwd,
+                        remat_nodes=remat, residuals=residuals,
+                        structure=structure_hash(forward, start, stop) + "/" +
+                        "".join("1" if d else "0" for d in diff_acts + diff_outs))
+
+
+def _ancestors(g: OpGraph, targets, stop: set[int]) -> list[int]:
+    need = set(t for t in targets if t not in stop)
+    nodes = []
+    for node in reversed(g.nodes):
+        if any(t in need for t in node.outputs):
+            nodes.append(node.id)
+            need.update(t for t in node.inputs if t is not None and t not in stop)
+    return sorted(nodes)
+
+
+def _split_fb(g: OpGraph, num_primal_inputs: int, num_outputs: int):
+    """Forward nodes (not reading a cotangent), backward nodes, the nodes a rematerialising
+    backward runs, and the residuals (forward results the backward reads)."""
+    cts = set(g.inputs[num_primal_inputs:])
+    tainted = set(cts)
+    bwd_all = set()
+    for node in g.nodes:
+        if any(t in tainted for t in node.inputs if t is not None):
+            tainted.update(node.outputs)
+            bwd_all.add(node.id)
+    primal_in = set(g.inputs[:num_primal_inputs])
+    residuals = []
+    for node in g.nodes:
+        if node.id not in bwd_all:
+            continue
+        for t in node.inputs:
+            if t is None or t in tainted or t in primal_in or t in residuals:
+                continue
+            if g.producer(t) is not None:
+                residuals.append(t)
+    outs = g.outputs[:num_outputs]
+    grads = g.outputs[num_outputs:]
+    fwd = _ancestors(g, list(outs) + residuals, primal_in)
+    fwd = [n for n in fwd if n not in bwd_all]
+    bwd = _ancestors(g, grads, primal_in | cts | set(residuals))
+    remat = _ancestors(g, grads, primal_in | cts)
+    return tuple(fwd), tuple(bwd), tuple(remat), tuple(residuals)

@@ -1,0 +1,466 @@
+"""Tracing: a JAX train step -> a flat `OpGraph` plus what is needed to re-run it.
+
+`trace(fn, args, batch_argnums)` runs `jax.make_jaxpr` on abstract arguments (real arrays and
+`jax.ShapeDtypeStruct`s both work, so nothing is allocated), then flattens the jaxpr:
+nested `jit`, `custom_jvp_call`, `custom_vjp_call` and `remat2` calls are inlined, because the
+planner must see (and shard) the operators inside them. Control flow (`scan`, `while`,
+`cond`) stays one node each, costed as body x trip count; XLA's own cost analysis counts a
+scan body once, which is why FLOPs are counted here from the equations instead.
+
+`alpa_marker` equations (from `al.value_and_grad`) are removed; what they said becomes the
+`Role` of the tensors they wrapped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import inspect
+import math
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+
+from alpa_lite.ir.graph import Node, OpGraph, Role, Tensor
+from alpa_lite.ir.markers import PARAM, boundary_p, capture_grad_calls, marker_p
+
+# Calls whose body is inlined into the flat graph, and where each keeps its body.
+_INLINED_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TracedStep:
+    """A traced train step: the graph, and what the runtime needs to replay it."""
+    graph: OpGraph
+    primitives: tuple[Any, ...]                   # the JAX primitive of each node
+    literals: Mapping[tuple[int, int], Any]       # (node id, operand position) -> literal
+    consts: Mapping[int, Any]                     # tensor id -> captured constant value
+    in_tree: Any                                  # PyTreeDef of the positional args
+    out_tree: Any                                 # PyTreeDef of the result
+    input_avals: tuple[tuple[tuple[int, ...], str], ...]   # (shape, dtype) per input leaf
+    fingerprint: str                              # hash of the program's structure
+    # Node positions of `al.mark_layer_boundary` calls (a boundary before node i).
+    boundaries: tuple[int, ...] = ()
+    # With `capture=True`: the captured `al.value_and_grad` calls (see markers.GradCall).
+    grad_calls: tuple[Any, ...] = ()
+
+
+class _Builder:
+    """Accumulates tensors and nodes while walking (possibly nested) jaxprs."""
+
+    def __init__(self):
+        self.tensors: list[Tensor] = []
+        self.nodes: list[Node] = []
+        self.primitives: list[Any] = []
+        self.literals: dict[tuple[int, int], Any] = {}
+        self.consts: dict[int, Any] = {}
+        self.roles: dict[int, Role] = {}
+        self.boundaries: list[int] = []
+
+    def new_tensor(self, aval, name: str = "", role: Role = Role.ACTIVATION) -> int:
+        tid = len(self.tensors)
+        shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+        dtype = str(np.dtype(getattr(aval, "dtype", np.float32)))
+        self.tensors.append(Tensor(tid, shape, dtype, name or f"t{tid}", role))
+        return tid
+
+    def walk(self, jaxpr: jex.Jaxpr, env: dict, scope: str = "") -> None:
+        """Appends the equations of `jaxpr` to the graph; `env` maps its vars to tensor ids
+        (or to `jex.Literal`s)."""
+
+        def read(atom):
+            if isinstance(atom, jex.Literal):
+                return atom
+            return env[atom]
+
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            in_atoms = [read(v) for v in eqn.invars]
+            eqn_scope = "/".join(s for s in (scope, str(eqn.source_info.name_stack)) if s)
+            if eqn.primitive is marker_p:
+                kind = eqn.params["kind"]
+                for v_in, v_out in zip(in_atoms, eqn.outvars):
+                    env[v_out] = v_in
+                    if not isinstance(v_in, jex.Literal):
+                        self.roles.setdefault(v_in, Role.PARAM if kind == PARAM else Role.GRAD)
+                continue
+            if eqn.primitive is boundary_p:
+                for v_in, v_out in zip(in_atoms, eqn.outvars):
+                    env[v_out] = v_in
+                if not self.boundaries or self.boundaries[-1] != len(self.nodes):
+                    self.boundaries.append(len(self.nodes))
+                continue
+            if name in _INLINED_CALLS and _INLINED_CALLS[name] in eqn.params:
+                self._inline(eqn, eqn.params[_INLINED_CALLS[name]], in_atoms, env, eqn_scope)
+                continue
+            node_id = len(self.nodes)
+            inputs: list[int | None] = []
+            for pos, atom in enumerate(in_atoms):
+                if isinstance(atom, jex.Literal):
+                    self.literals[(node_id, pos)] = atom.val
+                    inputs.append(None)
+                else:
+                    inputs.append(atom)
+            outputs = [self.new_tensor(v.aval) for v in eqn.outvars]
+            for v, t in zip(eqn.outvars, outputs):
+                env[v] = t
+            in_avals = [v.aval for v in eqn.invars]
+            out_avals = [v.aval for v in eqn.outvars]
+            self.nodes.append(Node(
+                id=node_id, primitive=name, inputs=tuple(inputs), outputs=tuple(outputs),
+                params=MappingProxyType(dict(eqn.params)),
+                flops=float(count_flops(name, eqn.params, in_avals, out_avals)),
+                bytes_accessed=float(sum(_nbytes(a) for a in in_avals + out_avals)),
+                scope=eqn_scope))
+            self.primitives.append(eqn.primitive)
+
+    def _inline(self, eqn, body, in_atoms, env, scope):
+        if isinstance(body, jex.ClosedJaxpr):
+            inner, consts = body.jaxpr, body.consts
+        else:
+            inner, consts = body, ()
+        inner_env: dict = {}
+        for var, value in zip(inner.constvars, consts):
+            inner_env[var] = self.add_const(var.aval, value)
+        for var, atom in zip(inner.invars, in_atoms):
+            inner_env[var] = atom
+        self.walk(inner, inner_env, scope)
+        for outer, inner_out in zip(eqn.outvars, inner.outvars):
+            env[outer] = inner_out if isinstance(inner_out, jex.Literal) else inner_env[inner_out]
+
+    def add_const(self, aval, value) -> int:
+        tid = self.new_tensor(aval, role=Role.CONST)
+        self.consts[tid] = value
+        return tid
+
+
+def _nbytes(aval) -> int:
+    shape = getattr(aval, "shape", ())
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None:
+        return 0
+    try:
+        item = np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes (PRNG keys)
+        item = 8
+    return math.prod(shape) * item
+
+
+def _size(aval) -> int:
+    return math.prod(getattr(aval, "shape", ()))
+
+
+def _jaxpr_flops(body) -> float:
+    jaxpr = body.jaxpr if isinstance(body, jex.ClosedJaxpr) else body
+    total = 0.0
+    for e in jaxpr.eqns:
+        total += count_flops(e.primitive.name, e.params,
+                             [v.aval for v in e.invars], [v.aval for v in e.outvars])
+    return total
+
+
+def count_flops(name: str, params: Mapping[str, Any], in_avals: Sequence, out_avals: Sequence
+                ) -> float:
+    """FLOPs of one equation, counted from shapes (a multiply-add is 2 FLOPs).
+
+    dot_general: 2 x output size x product of contracted dims. conv: 2 x output size x
+    input features per group x kernel window. Loops and calls: their body, times the trip
+    count for scan. Everything else: one FLOP per output (or input, for reductions) element.
+    """
+    if name == "dot_general":
+        (lhs_contract, _), _ = params["dimension_numbers"]
+        k = math.prod(in_avals[0].shape[d] for d in lhs_contract)
+        return 2.0 * _size(out_avals[0]) * k
+    if name == "conv_general_dilated":
+        dn = params["dimension_numbers"]
+        rhs_shape = in_avals[1].shape
+        in_feat = rhs_shape[dn.rhs_spec[1]]
+        window = math.prod(rhs_shape[d] for d in dn.rhs_spec[2:])
+        # batch_group_count > 1 (weight gradients) contracts over the batch instead.
+        return 2.0 * _size(out_avals[0]) * in_feat * window
+    if name == "scan":
+        return params["length"] * _jaxpr_flops(params["jaxpr"])
+    if name == "while":
+        # The trip count is unknown at trace time: count one iteration, as XLA does.
+        return _jaxpr_flops(params["body_jaxpr"]) + _jaxpr_flops(params["cond_jaxpr"])
+    if name == "cond":
+        return max(_jaxpr_flops(b) for b in params["branches"])
+    for key in ("jaxpr", "call_jaxpr"):
+        if key in params and isinstance(params[key], (jex.ClosedJaxpr, jex.Jaxpr)):
+            return _jaxpr_flops(params[key])
+    if name.startswith("reduce_") or name in ("argmax", "argmin"):
+        return float(sum(_size(a) for a in in_avals))
+    return float(sum(_size(a) for a in out_avals))
+
+
+def _keystr(path) -> str:
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _arg_names(fn: Callable, nargs: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for i in range(nargs):
+        if i < len(params) and params[i].kind in (params[i].POSITIONAL_ONLY,
+                                                    params[i].POSITIONAL_OR_KEYWORD):
+            names.append(params[i].name)
+        else:
+            names.append(f"arg{i}")
+    return names
+
+
+def _to_abstract(leaf, where: str):
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype)
+    if isinstance(leaf, (bool, int, float, complex)):
+        return jax.ShapeDtypeStruct((), jnp.asarray(leaf).dtype)
+    raise TypeError(f"{where} is a {type(leaf).__name__}, not an array; every argument leaf "
+                    "of a parallelized step must be a jax.Array, numpy array, Python scalar "
+                    "or jax.ShapeDtypeStruct. Pass static values through a closure or "
+                    "functools.partial instead.")
+
+
+def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
+          capture: bool = False) -> TracedStep:
+    """Traces `fn(*args)` into a flat graph without running it.
+
+    Args:
+      fn: the train step.
+      args: positional arguments; array leaves or `jax.ShapeDtypeStruct`s.
+      batch_argnums: which positional arguments hold the batch (their leaves get
+        `Role.BATCH`; the batch must be array-valued).
+      capture: record `al.value_and_grad` calls as one `alpa_grad_call` node each instead
+        of differentiating (for pipelining; see `markers.capture_grad_calls`).
+
+    Returns:
+      The `TracedStep`.
+    """
+    names = _arg_names(fn, len(args))
+    abstract_args = []
+    input_names: list[str] = []
+    batch_leaf = []
+    for i, arg in enumerate(args):
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
+        leaves = []
+        for path, leaf in paths_leaves:
+            where = f"{names[i]}{('/' + _keystr(path)) if path else ''}"
+            leaves.append(_to_abstract(leaf, f"argument {where}"))
+            input_names.append(where)
+            batch_leaf.append(i in batch_argnums)
+        abstract_args.append(jax.tree_util.tree_unflatten(treedef, leaves))
+    flat_abstract, in_tree = jax.tree_util.tree_flatten(tuple(abstract_args))
+
+    calls: list = []
+    if capture:
+        # A fresh function object: JAX caches traces per function, and a capturing trace
+        # must neither reuse nor leave behind the plain one.
+        with capture_grad_calls() as calls:
+            closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a),
+                                               return_shape=True)(*abstract_args)
+    else:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+
+    roles = [Role.BATCH if is_batch else Role.OPT_STATE for is_batch in batch_leaf]
+    b, input_ids, output_ids = _build(closed, roles, input_names, distinct_outputs=False)
+    _eliminate_dead_code(b, input_ids, output_ids, b.boundaries)
+    tensors = list(b.tensors)
+    for tid, role in b.roles.items():
+        t = tensors[tid]
+        if role is Role.PARAM and t.role is Role.OPT_STATE:
+            tensors[tid] = t.replace(role=Role.PARAM)
+        elif role is Role.GRAD and t.role is Role.ACTIVATION:
+            tensors[tid] = t.replace(role=Role.GRAD)
+    out_paths = [_keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    for pos, tid in enumerate(output_ids):
+        t = tensors[tid]
+        if t.role is Role.ACTIVATION:
+            tensors[tid] = t.replace(name=f"out/{out_paths[pos]}" if out_paths[pos] else "out")
+
+    graph = OpGraph(tensors=tuple(tensors), nodes=tuple(b.nodes), inputs=tuple(input_ids),
+                    outputs=tuple(output_ids),
+                    output_ties=_tie_outputs(args, out_shape, in_tree))
+    input_avals = tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in flat_abstract)
+    return TracedStep(graph=graph, primitives=tuple(b.primitives),
+                      literals=MappingProxyType(b.literals), consts=MappingProxyType(b.consts),
+                      in_tree=in_tree, out_tree=out_tree, input_avals=input_avals,
+                      fingerprint=_fingerprint(graph), boundaries=tuple(b.boundaries),
+                      grad_calls=tuple(calls))
+
+
+def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
+               names: Sequence[str]) -> TracedStep:
+    """Traces `fn(*leaves)` (array leaves in, a flat tuple of arrays out) into a graph
+    whose inputs carry the given roles; used for the pieces of a pipelined step."""
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    closed = jax.make_jaxpr(fn)(*structs)
+    b, input_ids, output_ids = _build(closed, roles, names, distinct_outputs=True)
+    boundaries = list(b.boundaries)
+    _eliminate_dead_code(b, input_ids, output_ids, boundaries)
+    tensors = list(b.tensors)
+    for tid, role in b.roles.items():
+        if tensors[tid].role is Role.ACTIVATION:
+            tensors[tid] = tensors[tid].replace(role=role)
+    graph = OpGraph(tensors=tuple(tensors), nodes=tuple(b.nodes), inputs=tuple(input_ids),
+                    outputs=tuple(output_ids), output_ties=(None,) * len(output_ids))
+    return TracedStep(graph=graph, primitives=tuple(b.primitives),
+                      literals=MappingProxyType(b.literals), consts=MappingProxyType(b.consts),
+                      in_tree=jax.tree_util.tree_structure(tuple(structs)),
+                      out_tree=jax.tree_util.tree_structure(tuple(output_ids)),
+                      input_avals=tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in structs),
+                      fingerprint=_fingerprint(graph), boundaries=tuple(boundaries))
+
+
+def _build(closed, roles: Sequence[Role], names: Sequence[str], distinct_outputs: bool):
+    """Walks a closed jaxpr into a `_Builder`: its inputs get `roles` and `names`, its
+    constants become CONST tensors. Returns the builder, the input ids and the output ids.
+
+    A result that is a literal or an untouched input (or, with `distinct_outputs`, repeats an
+    earlier result) still needs its own tensor: it is materialised with a copy, so every
+    output has a producer of its own.
+    """
+    b = _Builder()
+    env: dict = {}
+    input_ids = []
+    for var, role, name in zip(closed.jaxpr.invars, roles, names):
+        tid = b.new_tensor(var.aval, name, role)
+        env[var] = tid
+        input_ids.append(tid)
+    for var, value in zip(closed.jaxpr.constvars, closed.consts):
+        env[var] = b.add_const(var.aval, value)
+    b.walk(closed.jaxpr, env)
+    output_ids: list[int] = []
+    for v in closed.jaxpr.outvars:
+        atom = v if isinstance(v, jex.Literal) else env[v]
+        if isinstance(atom, jex.Literal) or atom in input_ids or \
+                (distinct_outputs and atom in output_ids):
+            atom = _materialise(b, atom, v.aval)
+        output_ids.append(atom)
+    return b, input_ids, output_ids
+
+
+def _eliminate_dead_code(b: _Builder, input_ids: list[int], output_ids: list[int],
+                         boundaries: list[int] | None = None) -> None:
+    """Drops equations whose results nothing needs (make_jaxpr keeps them, e.g. the unused
+    tangent seeds of a jvp) and the tensors only they touched; renumbers the nodes."""
+    needed = set(output_ids)
+    keep = []
+    for node in reversed(b.nodes):
+        if any(t in needed for t in node.outputs):
+            keep.append(node.id)
+            needed.update(t for t in node.inputs if t is not None)
+    keep.reverse()
+    node_map = {old: new for new, old in enumerate(keep)}
+    used = set(input_ids) | needed | {t for i in keep for t in b.nodes[i].outputs}
+    tensor_map = {old.id: new for new, old in enumerate(t for t in b.tensors if t.id in used)}
+    b.tensors = [t.replace(id=tensor_map[t.id]) for t in b.tensors if t.id in used]
+    nodes = []
+    for i in keep:
+        n = b.nodes[i]
+        nodes.append(dataclasses.replace(
+            n, id=node_map[i], inputs=tuple(None if t is None else tensor_map[t] for t in n.inputs),
+            outputs=tuple(tensor_map[t] for t in n.outputs)))
+    b.primitives = [b.primitives[i] for i in keep]
+    b.literals = {(node_map[n], p): v for (n, p), v in b.literals.items() if n in node_map}
+    b.consts = {tensor_map[t]: v for t, v in b.consts.items() if t in tensor_map}
+    b.roles = {tensor_map[t]: r for t, r in b.roles.items() if t in tensor_map}
+    b.nodes = nodes
+    if boundaries is not None:
+        # A boundary before old node i sits before the first kept node at or after i.
+        kept = sorted(node_map)
+        moved = [bisect.bisect_left(kept, i) for i in boundaries]
+        boundaries[:] = sorted(set(m for m in moved if 0 < m < len(kept)))
+    # The callers' id lists are renumbered in place.
+    input_ids[:] = [tensor_map[t] for t in input_ids]
+    output_ids[:] = [tensor_map[t] for t in output_ids]
+
+
+def _materialise(b: _Builder, atom, aval) -> int:
+    node_id = len(b.nodes)
+    out = b.new_tensor(aval)
+    if isinstance(atom, jex.Literal):
+        b.literals[(node_id, 0)] = atom.val
+        inputs = (None,)
+    else:
+        inputs = (atom,)
+    prim = jax.lax.copy_p
+    b.nodes.append(Node(id=node_id, primitive=prim.name, inputs=inputs, outputs=(out,),
+                        params=MappingProxyType({}), flops=0.0,
+                        bytes_accessed=2.0 * _nbytes(aval)))
+    b.primitives.append(prim)
+    return out
+
+
+def _tie_outputs(args, out_shape, in_tree) -> tuple[int | None, ...]:
+    """Pairs each result leaf with the input leaf it replaces in the next step.
+
+    A top-level result (the step returns a tuple) is tied to the first positional argument
+    with the same tree structure and leaf shapes and dtypes: new params to params, new
+    optimizer state to optimizer state. This is how a training loop feeds a step, so giving
+    the pair one sharding saves a reshard per step.
+    """
+    top = out_shape if isinstance(out_shape, (tuple, list)) else (out_shape,)
+    arg_offsets, offset = [], 0
+    arg_sigs = []
+    for a in args:
+        leaves, treedef = jax.tree_util.tree_flatten(a)
+        arg_offsets.append(offset)
+        offset += len(leaves)
+        arg_sigs.append((treedef, tuple(_leaf_sig(x) for x in leaves)))
+    ties: list[int | None] = []
+    used: set[int] = set()
+    for res in top:
+        leaves, treedef = jax.tree_util.tree_flatten(res)
+        sig = (treedef, tuple(_leaf_sig(x) for x in leaves))
+        match = next((i for i, s in enumerate(arg_sigs) if s == sig and i not in used
+                      and leaves), None)
+        if match is None:
+            ties.extend([None] * len(leaves))
+        else:
+            used.add(match)
+            ties.extend(arg_offsets[match] + j for j in range(len(leaves)))
+    return tuple(ties)
+
+
+def _leaf_sig(x) -> tuple[tuple[int, ...], str]:
+    dtype = getattr(x, "dtype", None)
+    return tuple(np.shape(x)), str(np.dtype(dtype if dtype is not None else np.asarray(x).dtype))
+
+
+def _fingerprint(graph: OpGraph) -> str:
+    h = hashlib.sha256()
+    for t in graph.tensors:
+        h.update(f"{t.shape}{t.dtype}{t.role.value}".encode())
+    for n in graph.nodes:
+        h.update(f"{n.primitive}{n.inputs}{n.outputs}".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,148 @@
+"""How a step is parallelized: the planner's search space, as frozen records.
+
+`Auto` lets the planner choose the logical mesh and every sharding, and with
+`num_micro_batches` also the pipeline stages. `Manual` fixes a Megatron-style
+dp x tp x pp layout; `DataParallel` is `Manual(dp=all devices, tp=1)`. All three go through
+the same planner, which pins what the user fixed and optimises the rest, so the plans are
+compared on equal terms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class SolverChoice(enum.Enum):
+    CBC = "cbc"
+    HIGHS = "highs"
+
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _check_pipeline_args(owner: str, num_micro_batches, schedule) -> None:
+    if num_micro_batches is not None and (not isinstance(num_micro_batches, int)
+                                          or isinstance(num_micro_batches, bool)
+                                          or num_micro_batches < 1):
+        raise ValueError(f"{owner}(num_micro_batches={num_micro_batches!r}): must be a "
+                         "positive integer")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{owner}(schedule={schedule!r}): unknown pipeline schedule; "
+                         f"use one of {SCHEDULES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto:
+    """Search logical mesh shapes and per-operator shardings.
+
+    Attributes:
+      memory_budget_bytes: per-device memory limit; None means the cluster device's memory.
+      solver: the ILP solver.
+      time_limit_s: per ILP solve.
+      mesh_shapes: logical mesh shapes to try; None means every 2-D factorisation.
+        Single-stage plans only.
+      num_micro_batches: None plans one SPMD stage over all devices (intra-op only). A
+        number turns on the inter-op search too: the batch is split into this many
+        micro-batches and the stage DP chooses 1..N pipeline stages, their layers, their
+        submeshes and logical meshes, and whether each stage recomputes its activations.
+      schedule: the pipeline schedule, "1f1b" or "gpipe".
+      num_layers: layers the loss function is clustered into for the stage DP (None:
+        chosen automatically, or the `al.mark_layer_boundary` calls when present).
+      max_stages: at most this many pipeline stages (None: no limit beyond layers and
+        devices).
+    """
+    memory_budget_bytes: float | None = None
+    solver: SolverChoice = SolverChoice.HIGHS
+    time_limit_s: float = 60.0
+    mesh_shapes: tuple[tuple[int, int], ...] | None = None
+    num_micro_batches: int | None = None
+    schedule: str = "1f1b"
+    num_layers: int | None = None
+    max_stages: int | None = None
+
+    def __post_init__(self):
+        _check_pipeline_args("Auto", self.num_micro_batches, self.schedule)
+        for name in ("num_layers", "max_stages"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"Auto({name}={v!r}): must be a positive integer or None")
+        if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
+            raise ValueError(f"Auto(memory_budget_bytes={self.memory_budget_bytes}): "
+                             "the budget must be a positive number of bytes, or None")
+        if not self.time_limit_s > 0:
+            raise ValueError(f"Auto(time_limit_s={self.time_limit_s}) must be positive")
+        if not isinstance(self.solver, SolverChoice):
+            raise TypeError(f"Auto(solver={self.solver!r}): use alpa_lite.plan.methods.SolverChoice")
+
+
+@dataclasses.dataclass(frozen=True)
+class Manual:
+    """A Megatron-style plan: batch split dp ways, weights split tp ways, layers cut into pp
+    pipeline stages.
+
+    Linear layers alternate column and row splits along the forward pass (attention: heads
+    split, then the output projection row-split), weights are replicated over dp and their
+    gradients all-reduced over dp. With `shard_optimizer_state` the optimizer state is split
+    over dp (ZeRO stage 1; single-stage plans only).
+
+    With pp > 1 or num_micro_batches > 1 the step is pipelined: stage s runs on devices
+    s*dp*tp ... (s+1)*dp*tp - 1, the batch is split into `num_micro_batches` micro-batches
+    run with `schedule` ("1f1b" or "gpipe"), and `remat=True` recomputes each stage's
+    forward in its backward. The loss function's layers (its `al.mark_layer_boundary` calls,
+    else an automatic clustering) are split evenly over the stages, or as `layer_ranges`
+    says: one (first, last) layer pair per stage, inclusive, covering every layer once.
+    """
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    num_micro_batches: int = 1
+    schedule: str = "1f1b"
+    remat: bool = False
+    layer_ranges: tuple[tuple[int, int], ...] | None = None
+    shard_optimizer_state: bool = False
+    solver: SolverChoice = SolverChoice.HIGHS
+    time_limit_s: float = 60.0
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Manual({name}={v!r}): must be a positive integer")
+        _check_pipeline_args("Manual", self.num_micro_batches, self.schedule)
+        if not isinstance(self.remat, bool):
+            raise ValueError(f"Manual(remat={self.remat!r}): must be True or False")
+        if self.layer_ranges is not None:
+            ranges = tuple(tuple(r) for r in self.layer_ranges)
+            if len(ranges) != self.pp or any(len(r) != 2 for r in ranges):
+                raise ValueError(f"Manual(layer_ranges={self.layer_ranges!r}): give one "
+                                 f"(first, last) layer pair per stage, {self.pp} in all")
+            expected = 0
+            for s, (a, b) in enumerate(ranges):
+                if a != expected or b < a:
+                    raise ValueError(
+                        f"Manual(layer_ranges={self.layer_ranges!r}): stage {s} is layers "
+                        f"{a}..{b}, but it must start at layer {expected} and not be empty; "
+                        "the stages must cover the layers in order, each exactly once")
+                expected = b + 1
+            object.__setattr__(self, "layer_ranges", ranges)
+        if self.shard_optimizer_state and self.pipelined:
+            raise ValueError("Manual(shard_optimizer_state=True) is for single-stage plans; "
+                             "use pp=1 and num_micro_batches=1")
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1 or self.num_micro_batches > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """Data parallelism over every device (optionally ZeRO-style optimizer sharding)."""
+    shard_optimizer_state: bool = False
+
+
+Method = Auto | Manual | DataParallel

@@ -1,0 +1,96 @@
+"""`Plan.summary()`: the plan as text a person can read (tables drawn by rich)."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def plan_summary(plan, max_rows: int = 40) -> str:
+    """Renders the plan: header, per stage the sharding table and the collectives."""
+    buf = io.StringIO()
+    console = Console(file=buf, width=110, force_terminal=False, color_system=None)
+    console.print(f"alpa_lite plan  method={plan.method}  cluster={plan.cluster_name}")
+    if plan.compression is not None:
+        c = plan.compression
+        where = (f"between {c.num_workers} nodes, full precision inside each node"
+                 if c.hierarchical else f"over the {c.num_workers} workers of axis {c.axis}")
+        console.print(f"estimated step {fmt_time(c.step_time_s)} = compute "
+                      f"{fmt_time(c.compute_s)} + gradient exchange {fmt_time(c.sync_s)}"
+                      f"{' (delayed)' if c.delay else ''}; peak memory "
+                      f"{fmt_bytes(plan.peak_memory_bytes)} per device")
+        console.print(f"gradient exchange: {escape(c.description)}, {where}; "
+                      f"{fmt_bytes(c.wire_bytes)} per worker per step against "
+                      f"{fmt_bytes(c.dense_wire_bytes)} uncompressed; saves "
+                      f"{fmt_time(c.saved_s)} per step")
+        if len(c.candidates) > 1:
+            table = Table(show_edge=False)
+            for col in ("exchange", "est. step", "fits"):
+                table.add_column(col)
+            for label, t, fits in sorted(c.candidates, key=lambda r: r[1]):
+                table.add_row(escape(label), fmt_time(t), "yes" if fits else "no")
+            console.print(table)
+    elif plan.pipeline is None:
+        console.print(f"estimated step {fmt_time(plan.step_time_s)} = compute "
+                      f"{fmt_time(plan.compute_s)} + communication {fmt_time(plan.comm_s)}; "
+                      f"peak memory {fmt_bytes(plan.peak_memory_bytes)} per device")
+    else:
+        console.print(f"estimated step {fmt_time(plan.step_time_s)} (schedule simulated); "
+                      f"peak memory {fmt_bytes(plan.peak_memory_bytes)} per device")
+    if plan.pipeline is not None:
+        p = plan.pipeline
+        console.print(f"pipeline: {len(plan.stages)} stage(s), {plan.schedule}, "
+                      f"{len(p.layer_starts)} layers, bubble {p.bubble_fraction:.1%}")
+        stages = Table(show_edge=False)
+        for col in ("stage", "layers", "devices", "mesh", "forward", "backward", "remat",
+                    "memory/device"):
+            stages.add_column(col)
+        for i, st in enumerate(plan.stages):
+            mesh = " x ".join(str(s) for s in st.mesh_shape)
+            stages.add_row(str(i), f"{st.layers[0]}..{st.layers[1]}",
+                           f"{st.devices[0]}..{st.devices[-1]}", mesh, fmt_time(st.forward_s),
+                           fmt_time(st.backward_s), "yes" if st.remat else "no",
+                           fmt_bytes(st.peak_memory_bytes))
+        console.print(stages)
+    if plan.unsharded_primitives:
+        console.print("replicated (no sharding rule): " + ", ".join(plan.unsharded_primitives))
+    for i, st in enumerate(plan.stages):
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(st.axis_names, st.mesh_shape))
+        console.print(f"\nstage {i}: devices {st.devices[0]}..{st.devices[-1]}  mesh {mesh}")
+        table = Table(title=None, show_edge=False)
+        table.add_column("tensor")
+        table.add_column("sharding")
+        for name, spec in st.shardings[:max_rows]:
+            table.add_row(escape(name), escape(str(spec)))
+        if len(st.shardings) > max_rows:
+            table.add_row(f"... {len(st.shardings) - max_rows} more", "")
+        console.print(table)
+        coll = Table(show_edge=False)
+        for col in ("collective", "mesh axes", "bytes/op", "count", "time"):
+            coll.add_column(col)
+        for c in st.collectives:
+            coll.add_row(c.kind, ",".join(c.axes), fmt_bytes(c.nbytes), str(c.count),
+                         fmt_time(c.time_s))
+        if not st.collectives:
+            coll.add_row("(none)", "", "", "", "")
+        console.print(coll)
+    return buf.getvalue()

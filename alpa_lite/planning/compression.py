@@ -1,0 +1,152 @@
+"""Data-parallel plans whose gradient exchange is compressed or delayed.
+
+`make_compressed_plan` starts from the data-parallel plan of the step (every device a
+worker holding all parameters, planned by the ILP like `DataParallel()`), keeps its compute
+and memory, and prices each exchange method with
+`cost_models.gradient_sync` (hierarchical across nodes: full precision inside a node, the
+method between nodes). It keeps:
+
+- an explicit method (a compressor or `DelayedAveraging`): that one;
+- `AutoCompression(allow=...)`: the fastest that fits in device memory among the allowed
+  methods and the plain all-reduce (a lossy one only when it is at least `min_speedup`
+  times faster than the all-reduce); with `Auto()` as the method, also against the best
+  uncompressed plan of any layout, which wins when it is faster (tensor parallelism inside
+  a fast node can beat any data-parallel exchange).
+
+The result is a `Plan` whose `compression` says what runs and what it saves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Mapping
+
+import jax
+
+from alpa_lite import compression as C
+from alpa_lite.cost_models.cluster import Cluster
+from alpa_lite.cost_models.gradient_sync import (GradientLeaf, exchange_layout, gradient_sync,
+                                                 step_time)
+from alpa_lite.errors import PlanningError
+from alpa_lite.ir.graph import Role
+from alpa_lite.plan.methods import Auto, DataParallel, Manual
+from alpa_lite.plan import CompressionSpec, Plan
+from alpa_lite.planning.spmd import make_plan
+from alpa_lite.plan.sharding import itemsize
+from alpa_lite.ir.tracing import TracedStep
+
+
+def exchange_axis(cluster: Cluster) -> tuple[str, int, bool]:
+    """(axis the exchange runs over, its workers, whether nodes reduce inside first)."""
+    if cluster.num_nodes == 1:
+        return "local", cluster.devices_per_node, False
+    return "node", cluster.num_nodes, cluster.devices_per_node > 1
+
+
+def gradient_leaves(traced: TracedStep) -> list[GradientLeaf]:
+    """The step's gradient leaves (what `al.value_and_grad` returned)."""
+    return [GradientLeaf(tuple(t.shape), itemsize(t.dtype))
+            for t in traced.graph.tensors_with_role(Role.GRAD)]
+
+
+def state_bytes(method, leaves: list[GradientLeaf], cluster: Cluster) -> float:
+    """Per-device bytes of a method's per-worker state (residuals, queues)."""
+    delay, exchange = _split(method)
+    total = 0.0
+    for leaf in leaves:
+        shape, _, _ = exchange_layout(cluster, leaf)
+        state = jax.eval_shape(lambda: exchange.init_state(shape, "float32"))
+        total += sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+        # Delayed averaging keeps the last D local gradients and D - 1 averages.
+        total += (2 * delay - 1) * leaf.numel * leaf.itemsize if delay else 0.0
+    return total
+
+
+def _split(method) -> tuple[int, C.Compressor]:
+    if isinstance(method, C.DelayedAveraging):
+        return method.delay, method.compressor
+    return 0, method
+
+
+def _label(method) -> str:
+    return "none (all-reduce)" if method == C.Dense() else method.describe()
+
+
+def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compression,
+                         loss_scale: float, tensor_names: Mapping[int, str] | None = None
+                         ) -> Plan:
+    """Plans `traced` as data parallelism with the gradient exchange `compression` (module
+    docstring). `loss_scale` is how per-worker losses combine (1/n for a mean, 1 for a sum).
+    """
+    if isinstance(method, Manual) and (method.tp != 1 or method.pipelined):
+        raise PlanningError(
+            f"gradient compression runs data parallelism over every device; {method!r} "
+            "asks for tensor or pipeline parallelism. Use al.DataParallel() or al.Auto()")
+    if isinstance(method, Auto) and method.num_micro_batches is not None:
+        raise PlanningError("gradient compression does not combine with pipelining "
+                            "(Auto(num_micro_batches=...)); drop one of them")
+    if isinstance(method, DataParallel) and method.shard_optimizer_state:
+        raise PlanningError("gradient compression needs every worker to hold the whole "
+                            "optimizer state; use DataParallel() without ZeRO")
+    dp_plan = make_plan(traced, DataParallel(), cluster, tensor_names=tensor_names)
+    leaves = gradient_leaves(traced)
+    if not leaves:
+        raise PlanningError("the step has no gradient (al.value_and_grad / al.grad): "
+                            "there is nothing to compress")
+    dtype = traced.graph.tensors_with_role(Role.GRAD)[0].dtype
+    # The runtime runs the step per worker on its share of the batch: no collective but
+    # the exchange (and the loss's sum). So the step is the data-parallel plan's compute
+    # (batch split, weights whole) plus the exchange; the plan's own collectives (its
+    # gradient all-reduces, or the gathers the ILP may prefer to them) do not run.
+    compute = dp_plan.compute_s
+    budget = cluster.device.memory_bytes
+    if isinstance(compression, C.AutoCompression):
+        options = [C.Dense()] + [m for m in compression.allow if m != C.Dense()]
+    else:
+        options = [compression]
+    dense = gradient_sync(cluster, leaves, C.Dense(), dtype)
+    rows = []
+    for option in options:
+        delay, exchange = _split(option)
+        sync = gradient_sync(cluster, leaves, exchange, dtype)
+        memory = dp_plan.peak_memory_bytes + state_bytes(option, leaves, cluster)
+        rows.append((option, sync, step_time(compute, sync, delay), memory))
+    pool = [r for r in rows if r[3] <= budget] or rows     # what fits, else everything
+    option, sync, step, memory = min(pool, key=lambda r: r[2])
+    dense_row = rows[0]
+    if isinstance(compression, C.AutoCompression) and dense_row in pool and \
+            dense_row[2] < compression.min_speedup * step:
+        option, sync, step, memory = dense_row  # not worth a lossy method (AutoCompression)
+    candidates = tuple((_label(o), float(t), bool(m <= budget)) for o, _, t, m in rows)
+    if isinstance(method, Auto) and isinstance(compression, C.AutoCompression):
+        try:
+            best = make_plan(traced, method, cluster, tensor_names=tensor_names)
+        except PlanningError:       # no uncompressed layout fits: data parallelism stays
+            best = None
+        if best is not None and best.step_time_s < step and \
+                best.peak_memory_bytes <= budget:
+            return dataclasses.replace(
+                best, stats=dataclasses.replace(
+                    best.stats, candidates=best.stats.candidates + tuple(
+                        (f"data parallel, {label}", t) for label, t, _ in candidates)))
+    if memory > budget:
+        warnings.warn(
+            f"data parallelism with {_label(option)} needs {memory / 2**30:.2f} GiB per device "
+            f"(the whole model, its optimizer state and the exchange's state), above the "
+            f"{budget / 2**30:.2f} GiB of cluster {cluster.name!r}: it will not run there. "
+            "Use a smaller batch, al.Auto() without compression, or pipelining", stacklevel=3)
+    axis, workers, hierarchical = exchange_axis(cluster)
+    delay, exchange = _split(option)
+    spec = CompressionSpec(
+        exchange=C.to_config(option), description=_label(option), axis=axis,
+        num_workers=workers, hierarchical=hierarchical, delay=delay, loss_scale=loss_scale,
+        wire_bytes=sync.wire_bytes, dense_wire_bytes=sync.dense_wire_bytes,
+        sync_s=max(step - compute - sync.compress_s, 0.0) if delay else sync.total_s,
+        dense_sync_s=dense.total_s, compute_s=compute, step_time_s=step,
+        uncompressed_step_time_s=step_time(compute, dense), candidates=candidates)
+    stage = dp_plan.stages[0]
+    return dataclasses.replace(dp_plan, method=f"{method!r} + {option!r}",
+                               stages=(dataclasses.replace(stage, peak_memory_bytes=memory),),
+                               compression=spec)

@@ -1,0 +1,255 @@
+"""Fusion: which traced equations XLA runs as one kernel, and what each kernel moves.
+
+The traced graph has one node per jaxpr equation, but XLA does not run one kernel per
+equation: it fuses chains of element-wise work into "loop" and "input" fusions, so a
+`layer_norm` of ~12 equations reads its input and writes its output once or twice, not
+twelve times. `fuse(graph)` groups the nodes the way XLA broadly does and returns, per
+node, its share of its group's memory traffic and the element-wise kernels it starts.
+
+Status: an analysis, not (yet) the planner's pricing. `bench/fidelity.py` reports it beside
+the per-equation model. Wired into tracing (each node's `bytes_accessed` replaced by its
+share, plus a calibrated fixed cost per kernel), it took the H100 block-step estimate
+from +247% to +49% of the measured 13.75 ms, but made every CPU plan's estimate 5-13%
+lower where they were already ~4x too low (median |error| 75% -> 78%, Spearman unchanged
+within noise; bench/results/fidelity_cpu_fusion_trial_*.json), so it was not kept: the
+CPU gap lies elsewhere. On the CPU GPT step it counts 271 element-wise kernels where the
+compiled single-device HLO has 286 fusions.
+
+The rules (a simplification of XLA's `InstructionFusion` / `GpuInstructionFusion`, which
+fuse a producer into its consumer when the producer is element-wise-like and the fusion
+creates no cycle; reductions may absorb producers but end a loop fusion):
+
+- *Own kernels* (`STANDALONE`): matmuls and convolutions (library calls: cuBLAS / oneDNN /
+  Eigen), gathers, scatters, sorts, cumulative ops, control flow, collectives, RNG, copies
+  of inputs to outputs and any primitive with a sub-program. Each is a group of one that
+  reads every operand and writes every result; matmuls keep paying
+  `DeviceSpec.op_overhead_s` (`FusionResult.kernels` counts element-wise kernels only).
+- *Free duplicates* (`DUPLICABLE`, and anything computed from literals only): broadcasts
+  and iotas are re-computed inside each consuming fusion (XLA duplicates them rather than
+  materialising the broadcast array), so a consumer reads the broadcast's operand (a bias
+  of H elements), not its (B, T, H) result; constant sub-expressions (a causal mask from
+  iota and compare) cost nothing.
+- *Fusible* (the rest: element-wise, convert, select, reshape, transpose, slice, pad,
+  concatenate, reductions): a node joins the group of one of its operands' producers when
+  that group is still open and the join creates no cycle between groups. A group closes
+  at a reduction: the reduction's consumers start a new kernel (the reduced result must be
+  complete first).
+- *No cycles*: a node may join group G only if every operand it reads from outside G was
+  produced before G's first node. Then every edge between groups runs from a lower first
+  node to a higher one, so the groups are acyclic by construction (stricter than XLA,
+  which checks reachability; it only ever splits a fusion XLA would make).
+
+- *Cheap producers are re-computed*: a consumer re-does a cheap element-wise producer of
+  another group (not in XLA's `IsExpensive` list: no exp, tanh, divide ...) rather than
+  read its result, when that reads no more bytes; a softmax's f32 upcast of bf16 scores is
+  then never written in f32.
+
+Memory traffic of a group: each distinct tensor it reads that was made outside it (graph
+inputs, constants, other groups' results; through a duplicate, that duplicate's operands)
+plus each result that leaves it (read by another group, or a graph output). A node is
+charged the reads it is the first in its group to make and the results of its own that
+leave the group, so a group's nodes sum to its traffic and a sharded node still divides
+its share by its shards. Each fusible group with any traffic is one kernel, counted on its
+first node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from alpa_lite.ir.graph import Node, OpGraph
+from alpa_lite.plan.sharding import itemsize
+
+__all__ = ["FusionResult", "fuse", "STANDALONE", "DUPLICABLE"]
+
+STANDALONE = frozenset({
+    "dot_general", "conv_general_dilated",
+    "gather", "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
+    "scatter-min", "scatter_min", "scatter-max", "scatter_max", "dynamic_update_slice",
+    "sort", "top_k", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+    "reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min",
+    "select_and_scatter_add", "select_and_gather_add", "argsort",
+    "while", "scan", "cond", "custom_call", "alpa_grad_call",
+    "psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "psum_scatter",
+    "reduce_scatter", "all_reduce",
+    "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
+    "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform",
+    "copy", "copy_p", "device_put", "optimization_barrier",
+    "fft", "cholesky", "triangular_solve", "lu", "qr", "eigh", "eig", "svd",
+})
+DUPLICABLE = frozenset({"broadcast_in_dim", "iota"})
+# Reductions end a loop fusion (their consumers start a new kernel). `reduce_precision` is
+# element-wise despite its name.
+# XLA's `HloInstruction::IsExpensive` (xla/hlo/ir/hlo_instruction.cc) lists the
+# element-wise ops it will not duplicate into several fusions (transcendentals, division,
+# power); the rest are cheap to re-compute.
+_EXPENSIVE = frozenset({"exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh", "div",
+                        "rem", "pow", "sqrt", "rsqrt", "cbrt", "sin", "cos", "tan", "atan2",
+                        "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
+                        "erf", "erfc", "erf_inv", "lgamma", "digamma", "igamma"})
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                         "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin"})
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionResult:
+    """Per node (indexed by node id): its fusion group (the id of the group's first node),
+    the memory bytes it is charged, and the element-wise kernels it starts (0 or 1)."""
+    group: tuple[int, ...]
+    bytes_accessed: tuple[float, ...]
+    kernels: tuple[int, ...]
+
+    @property
+    def num_kernels(self) -> int:
+        """Element-wise (fused) kernels: matmuls and other own-kernel ops not counted."""
+        return sum(self.kernels)
+
+
+def _nbytes(graph: OpGraph, tid: int) -> float:
+    t = graph.tensors[tid]
+    return float(t.size * itemsize(t.dtype))
+
+
+def _is_standalone(node: Node) -> bool:
+    # A primitive with a sub-program (a call tracing left in place) is its own kernel(s).
+    return node.primitive in STANDALONE or any(k in node.params for k in
+                                                ("jaxpr", "call_jaxpr", "fun_jaxpr"))
+
+
+def _is_cheap(node: Node) -> bool:
+    """Cheap to re-compute in a consumer's fusion: element-wise-like, not expensive, not a
+    reduction (whose result needs all of its input)."""
+    return (node.primitive not in _EXPENSIVE and node.primitive not in _REDUCTIONS
+            and not _is_standalone(node))
+
+
+def fuse(graph: OpGraph) -> FusionResult:
+    """Groups `graph`'s nodes into kernels and prices each node's share (module docstring).
+
+    Args:
+      graph: a traced graph (topologically ordered, as `OpGraph` guarantees).
+
+    Returns:
+      The `FusionResult`.
+    """
+    n_nodes = len(graph.nodes)
+    standalone = [_is_standalone(n) for n in graph.nodes]
+    # Duplicates: broadcasts and iotas, and anything (not standalone) computed from
+    # literals and duplicates only, i.e. with no graph input or real result among its
+    # operands (constant sub-expressions such as a causal mask).
+    dup = [False] * n_nodes
+    for n in graph.nodes:
+        if standalone[n.id]:
+            continue
+        producers = [graph.producer(t) for t in n.inputs if t is not None]
+        dup[n.id] = n.primitive in DUPLICABLE or all(p is not None and dup[p]
+                                                      for p in producers)
+
+    def sources(tid: int) -> set[int]:
+        """The tensors a reader of `tid` really reads: through duplicates, their operands."""
+        p = graph.producer(tid)
+        if p is None or not dup[p]:
+            return {tid}
+        out: set[int] = set()
+        for t in graph.nodes[p].inputs:
+            if t is not None:
+                out |= sources(t)
+        return out
+
+    group = list(range(n_nodes))       # group id = id of the group's first node
+    closed: set[int] = set()
+    for n in graph.nodes:
+        if standalone[n.id] or dup[n.id]:
+            continue
+        reads = set().union(*(sources(t) for t in n.inputs if t is not None))
+        read_groups = {group[p] for p in (graph.producer(t) for t in reads)
+                       if p is not None and not standalone[p]}
+        # Try the most recent open group first (the tightest producer-consumer chain).
+        for g in sorted(read_groups, reverse=True):
+            if g in closed:
+                continue
+            ok = all(p is None or group[p] == g or p < g
+                     for p in (graph.producer(t) for t in reads))
+            if ok:
+                group[n.id] = g
+                break
+        if n.primitive in _REDUCTIONS:
+            closed.add(group[n.id])
+
+    # What each group reads from memory. A consumer re-computes a cheap element-wise
+    # producer of another group instead of reading its result when that reads no more
+    # bytes (XLA duplicates cheap producers into their consumers' fusions; a softmax's
+    # f32 upcast of bf16 scores is re-done by each of its reductions' consumers, not
+    # written out in f32).
+    memo: dict[tuple[int, int], frozenset[int]] = {}
+
+    def reads_for(tid: int, g: int) -> frozenset[int]:
+        key = (tid, g)
+        if key in memo:
+            return memo[key]
+        p = graph.producer(tid)
+        if p is None or standalone[p]:
+            out = frozenset({tid})
+        elif group[p] == g:
+            out = frozenset()                   # inside the group: no memory read
+        elif dup[p]:
+            # A free duplicate: only its own memory reads.
+            out = frozenset().union(*(reads_for(t, g) for t in graph.nodes[p].inputs
+                                      if t is not None))
+        elif _is_cheap(graph.nodes[p]):
+            again = frozenset().union(*(reads_for(t, g) for t in graph.nodes[p].inputs
+                                        if t is not None))
+            out = again if sum(_nbytes(graph, t) for t in again) <= _nbytes(graph, tid) \
+                else frozenset({tid})
+        else:
+            out = frozenset({tid})
+        memo[key] = out
+        return out
+
+    node_reads: list[list[int]] = [[] for _ in range(n_nodes)]
+    read_from_memory: set[int] = set(graph.outputs)
+    for n in graph.nodes:
+        if standalone[n.id]:
+            read_from_memory.update(t for t in n.inputs if t is not None)
+            continue
+        if dup[n.id]:
+            continue
+        for t in n.inputs:
+            if t is not None:
+                node_reads[n.id].extend(sorted(reads_for(t, group[n.id])))
+        read_from_memory.update(node_reads[n.id])
+
+    bytes_out = [0.0] * n_nodes
+    kernels = [0] * n_nodes
+    seen_reads: dict[int, set[int]] = {}
+    for n in graph.nodes:
+        if standalone[n.id]:
+            # Its own kernel: every operand read, every result written (as tracing counts).
+            bytes_out[n.id] = n.bytes_accessed
+            continue
+        if dup[n.id]:
+            # Free unless its result must exist in memory (a graph output, an operand of a
+            # standalone op, or read by a group): then it is written once.
+            written = [t for t in n.outputs if t in read_from_memory]
+            if written:
+                bytes_out[n.id] = sum(_nbytes(graph, t) for t in written) + sum(
+                    _nbytes(graph, t) for t in n.inputs
+                    if t is not None and graph.producer(t) is None)
+                kernels[n.id] = 1
+            continue
+        seen = seen_reads.setdefault(group[n.id], set())
+        b = 0.0
+        for s in node_reads[n.id]:
+            if s not in seen:
+                seen.add(s)
+                b += _nbytes(graph, s)
+        b += sum(_nbytes(graph, t) for t in n.outputs if t in read_from_memory)
+        bytes_out[n.id] = b
+    started: set[int] = set()         # groups whose kernel is counted
+    for n in graph.nodes:
+        if not standalone[n.id] and not dup[n.id]:
+            g = group[n.id]
+            if bytes_out[n.id] > 0 and g not in started:
+                started.add(g)
+                kernels[n.id] = 1
+    return FusionResult(tuple(group), tuple(bytes_out), tuple(kernels))

@@ -1,0 +1,673 @@
+"""Pipelined plans: layers -> stages x submeshes (the stage DP) -> intra-op ILP per stage.
+
+`make_pipeline_plan(parts, method, cluster)` plans a step split by `pipeline_program`:
+
+- `Manual(dp, tp, pp, ...)`: the layers are split evenly (or as `layer_ranges` says) over pp
+  stages of dp x tp devices each, and every stage gets the Megatron layout of the
+  single-stage planner.
+- `Auto(num_micro_batches=m)`: Alpa's inter-op search. Every layer is planned alone on every
+  logical mesh of every submesh shape (identical layers, e.g. transformer blocks, are solved
+  once: they share a structural hash); a stage's cost on a logical mesh is the sum over its
+  layers, with and without recomputation; `solvers.stage_dp` picks the stages, submeshes
+  and meshes with the least pipeline latency within device memory. The chosen stages are
+  then planned whole, which is what the runtime executes and the estimate reports.
+
+A stage's estimate is its forward+backward ILP objective for one micro-batch (compute and
+the collectives its shardings imply); the step time is the schedule simulator's, with the
+activation transfers between stages.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+import warnings
+from typing import Mapping
+
+import numpy as np
+
+from alpa_lite.cost_models.cluster import Cluster
+from alpa_lite.cost_models.collectives import send_recv_time
+from alpa_lite.cost_models.pipeline_schedule import StageTiming, schedule_from_name, simulate
+from alpa_lite.errors import PlanningError
+from alpa_lite.ir.graph import Role
+from alpa_lite.planning.intra_op import MeshMemo, StageResult, plan_stage
+from alpa_lite.plan.methods import Auto, Manual
+from alpa_lite.ir.step_parts import StageProgram, StepParts, stage_program, structure_hash
+from alpa_lite.planning.gradient_sync import stage_sync
+from alpa_lite.planning.layers import forward_layers
+from alpa_lite.plan import Alternative, Explanation, PipelineSpec, Plan, PlanningStats, StagePlan
+from alpa_lite.progress import CLUSTER, DP, ILPS, Progress, report
+from alpa_lite.ir.batch import batch_dims
+from alpa_lite.planning.spmd import manual_pins, solver_for
+from alpa_lite.ir.op_rules import DimLabels, enumerate_assignments
+from alpa_lite.plan.sharding import LogicalMesh, TensorSpec, itemsize
+from alpa_lite.solvers.stage_dp import (NoFeasiblePipelineError, StageOption, SubmeshShape,
+                                        solve_stage_dp, submesh_shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    """One range on one logical mesh: what the DP and the estimate need."""
+    result: StageResult
+    forward_s: float
+    backward_s: float
+    param_bytes: float      # per device: params, gradient accumulators, optimizer state
+    act_bytes: float        # per device, per micro-batch in flight, without recomputation
+    input_bytes: float      # per device, per micro-batch in flight, with recomputation
+    output_bytes: float     # whole activations handed to the next stage, per micro-batch
+
+
+class PipelinePlanner:
+    def __init__(self, parts: StepParts, cluster: Cluster, solver, time_limit_s: float,
+                 names: Mapping[int, str], progress: Progress | None = None):
+        self.parts = parts
+        self.progress = progress
+        self.queued = 0         # intra-op problems asked for, and those done (for progress)
+        self.done = 0
+        self.cluster = cluster
+        self.solver = solver
+        self.time_limit_s = time_limit_s
+        self.names = names
+        fwd = parts.forward.graph
+        self.fwd_bdims = batch_dims(fwd)
+        self.opt_ratio = _opt_state_ratio(parts)
+        self.programs: dict[tuple[int, int], StageProgram] = {}
+        self.by_structure: dict[str, StageProgram] = {}
+        self.costs: dict[tuple, StageCost] = {}
+        self.ilps = 0           # intra-op problems solved
+        self.build_s = 0.0
+        self.solve_s = 0.0
+        self._lock = threading.Lock()
+        self.memos: dict[tuple, MeshMemo] = {}
+        self.options: dict[tuple, tuple[StageCost, StageCost]] = {}   # `_layer_options`
+
+    def program(self, start: int, stop: int) -> StageProgram:
+        if (start, stop) not in self.programs:
+            h = structure_hash(self.parts.forward, start, stop)
+            prog = stage_program(self.parts.forward, start, stop, self.by_structure.get(h))
+            self.by_structure.setdefault(h, prog)
+            self.programs[(start, stop)] = prog
+        return self.programs[(start, stop)]
+
+    def seeds(self, prog: StageProgram) -> dict[int, int | None]:
+        """Batch dimension of each fb input that is not a parameter (cotangents follow their
+        outputs)."""
+        seeds: dict[int, int | None] = {}
+        for t_fb, t in zip(prog.fb_acts, prog.acts):
+            seeds[t_fb] = self.fwd_bdims.get(t)
+        diff_outs = [t for t, d in zip(prog.outputs, prog.diff_outputs) if d]
+        for t_fb, t in zip(prog.fb_cts, diff_outs):
+            seeds[t_fb] = self.fwd_bdims.get(t)
+        return seeds
+
+    def input_names(self, prog: StageProgram) -> dict[int, str]:
+        """The step's names for the stage's parameters and inputs (fb tensor id -> name)."""
+        fb = prog.fb.graph
+        return {t_fb: self.names.get(t, fb.tensors[t_fb].name)
+                for t_fb, t in zip(fb.inputs, prog.params + prog.acts)}
+
+    def _renamed(self, cost: StageCost, prog: StageProgram) -> StageCost:
+        """A memoised plan with this range's own input names in its sharding table (the
+        table starts with the stage inputs, in order)."""
+        st = cost.result.stage
+        names = self.input_names(prog)
+        fb_inputs = prog.fb.graph.inputs
+        table = tuple((names.get(fb_inputs[i], n), spec) if i < len(fb_inputs) else (n, spec)
+                      for i, (n, spec) in enumerate(st.shardings))
+        stage = dataclasses.replace(st, shardings=table)
+        return dataclasses.replace(cost, result=dataclasses.replace(cost.result, stage=stage))
+
+    def cost(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+             lean: bool = False) -> StageCost:
+        """The intra-op plan of a range on a logical mesh, memoised by structure: the
+        fastest, or with `lean` the fastest with every parameter split as finely as the mesh
+        allows (the memory-lean option; its gradient and optimizer state follow it).
+        Submeshes are placed node-aligned (`_place`), where a block's links do not depend
+        on where it starts, so one plan serves every offset (its device list is moved)."""
+        key = (prog.structure, mesh.shape, mesh.axis_names, manual, lean)
+        if key not in self.costs:
+            self._queue(1)
+            self._compute(key, prog, mesh, manual, lean)
+        cost = self.costs[key]
+        if isinstance(cost, PlanningError):
+            raise cost
+        return self._renamed(_moved(cost, mesh.device_offset), prog)
+
+    def prefetch(self, jobs) -> None:
+        """Plans the (program, mesh, manual, lean) jobs `cost` has not memoised, several at
+        a time: HiGHS releases the GIL while it solves, so on a machine with more than one
+        core the solves overlap. Each job is planned exactly as `cost` would, alone; a job
+        that cannot be planned is remembered, and `cost` raises its error."""
+        todo = {}
+        for prog, mesh, manual, lean in jobs:
+            key = (prog.structure, mesh.shape, mesh.axis_names, manual, lean)
+            if key not in self.costs:
+                todo.setdefault(key, (key, prog, mesh, manual, lean))
+        self._queue(len(todo))
+        workers = min(len(todo), os.cpu_count() or 1)
+        if workers <= 1:
+            for job in todo.values():
+                self._compute(*job)
+            return
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for f in [pool.submit(self._compute, *job) for job in todo.values()]:
+                f.result()
+
+    def _queue(self, n: int) -> None:
+        if n:
+            with self._lock:
+                self.queued += n
+                done, total = self.done, self.queued
+            report(self.progress, ILPS, done, total)
+
+    def _compute(self, key, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+                 lean: bool) -> None:
+        try:
+            self.costs[key] = self._plan(prog, mesh, manual, lean)
+        except PlanningError as e:
+            self.costs[key] = e
+        with self._lock:
+            self.done += 1
+            done, total = self.done, self.queued
+        report(self.progress, ILPS, done, total)
+
+    def build(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+              lean: bool, solve: bool = True):
+        """The intra-op problem of a range on a logical mesh, as `cost` plans it: solved
+        (`StageResult`), or with `solve=False` built only (`BuiltStage`, for explain)."""
+        fb = prog.fb.graph
+        pin = node_pin = None
+        if manual is not None:
+            # Megatron: the batch stays split over dp in every tensor that carries it, so the
+            # stage can accumulate its gradients per device (planning.gradient_sync).
+            pin, node_pin = manual_pins(fb, manual.dp, manual.tp, False, self.seeds(prog),
+                                        split_batch=True)
+        elif lean:
+            pin = _most_split_params(fb, mesh)
+        with self._lock:
+            memo = self.memos.setdefault((mesh.shape, mesh.axis_names),
+                                         MeshMemo.for_mesh(mesh, self.cluster))
+        return plan_stage(fb, mesh, self.cluster, pin=pin, node_pin=node_pin,
+                          solver=self.solver, time_limit_s=self.time_limit_s,
+                          tensor_names=self.input_names(prog),
+                          param_memory_factor=2.0 + self.opt_ratio, memo=memo, solve=solve)
+
+    def _plan(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+              lean: bool) -> StageCost:
+        fb = prog.fb.graph
+        res = self.build(prog, mesh, manual, lean)
+        with self._lock:
+            self.ilps += 1
+            self.build_s += res.build_s
+            self.solve_s += res.solve_s
+        st = res.stage
+        spec = dict(st.tensor_specs)
+        for t, s in zip(fb.inputs, st.input_specs):
+            spec[t] = s
+
+        def local(t):
+            tt = fb.tensors[t]
+            return tt.size * itemsize(tt.dtype) / spec[t].num_shards(mesh)
+
+        params = sum(local(t) for t in prog.fb_params)
+        inputs = sum(local(t) for t in prog.fb_acts)
+        residual = sum(local(t) for t in prog.residuals)
+        fwd_flops = sum(fb.nodes[i].flops for i in prog.fwd_nodes)
+        all_flops = max(sum(n.flops for n in fb.nodes), 1.0)
+        forward_s = st.total_s * fwd_flops / all_flops
+        out_bytes = sum(self.parts.forward.graph.tensors[t].nbytes for t in prog.outputs)
+        return StageCost(result=res, forward_s=forward_s, backward_s=st.total_s - forward_s,
+                         param_bytes=params * (2.0 + self.opt_ratio), act_bytes=inputs + residual,
+                         input_bytes=inputs, output_bytes=out_bytes)
+
+
+def _most_split_params(graph, mesh: LogicalMesh):
+    """An input pin allowing each parameter only its finest splits over `mesh`."""
+    axes = [(n, mesh.axis_size(n)) for n in mesh.sharded_axes()]
+    finest: dict[int, int] = {}
+    for t in graph.tensors_with_role(Role.PARAM):
+        labels = tuple(range(len(t.shape)))
+        dl = DimLabels((labels,), (labels,), dict(zip(labels, t.shape)))
+        finest[t.id] = max((TensorSpec(tuple(a.get(l, ()) for l in labels)).num_shards(mesh)
+                            for a in enumerate_assignments(dl, axes)), default=1)
+
+    def pin(t, spec) -> bool:
+        return t.role is not Role.PARAM or spec.num_shards(mesh) == finest[t.id]
+    return pin
+
+
+def _moved(cost: StageCost, offset: int) -> StageCost:
+    st = cost.result.stage
+    if st.devices[0] == offset:
+        return cost
+    stage = dataclasses.replace(st, devices=tuple(range(offset, offset + len(st.devices))))
+    return dataclasses.replace(cost, result=dataclasses.replace(cost.result, stage=stage))
+
+
+def _params_finest(prog: StageProgram, cost: StageCost, mesh: LogicalMesh) -> bool:
+    """Whether a plan already splits every parameter as finely as the mesh allows."""
+    pin = _most_split_params(prog.fb.graph, mesh)
+    spec = dict(zip(prog.fb.graph.inputs, cost.result.stage.input_specs))
+    return all(pin(prog.fb.graph.tensors[t], spec[t]) for t in prog.fb_params)
+
+
+def _opt_state_ratio(parts: StepParts) -> float:
+    """Optimizer state bytes per parameter byte (Adam: 2), from the step's inputs."""
+    g = parts.outer.graph
+    node = g.nodes[parts.grad_node]
+    param_ids = {node.inputs[i] for i in parts.call.grad_leaves}
+    params = sum(g.tensors[t].nbytes for t in param_ids)
+    other = sum(t.nbytes for t in g.tensors_with_role(Role.OPT_STATE) if t.id not in param_ids)
+    return other / params if params else 0.0
+
+
+def layer_node_ranges(starts: tuple[int, ...], n: int) -> list[tuple[int, int]]:
+    ends = list(starts[1:]) + [n]
+    return list(zip(starts, ends))
+
+
+def _send_time(cluster: Cluster, nbytes: float, a: StagePlan, b: StagePlan) -> float:
+    """Moving a stage's outputs to the next submesh: every byte crosses once, spread over
+    the device pairs of the smaller submesh, on the link that joins the two."""
+    if nbytes == 0:
+        return 0.0
+    same_node = {cluster.node_of(d) for d in a.devices} == {cluster.node_of(d) for d in b.devices} \
+        and len({cluster.node_of(d) for d in a.devices}) == 1
+    link = cluster.intra_node if same_node or cluster.inter_node is None else cluster.inter_node
+    pairs = min(len(a.devices), len(b.devices))
+    return send_recv_time(nbytes / pairs, link)
+
+
+def _place(cluster: Cluster, sizes: list[int]) -> list[int]:
+    """First device of each stage's block: blocks aligned to their size inside a node (or to
+    whole nodes), so a submesh never straddles nodes when it need not; largest first."""
+    n, M = cluster.num_devices, cluster.devices_per_node
+    free = [True] * n
+    offsets = [0] * len(sizes)
+    for s in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        size = sizes[s]
+        align = size if size <= M and M % size == 0 else (M if size % M == 0 else 1)
+        for start in range(0, n - size + 1, align):
+            if all(free[start:start + size]):
+                break
+        else:
+            raise PlanningError(f"cannot place submeshes of sizes {sizes} on {n} devices")
+        free[start:start + size] = [False] * size
+        offsets[s] = start
+    return offsets
+
+
+def _logical_shapes(sub: SubmeshShape) -> list[tuple[int, int]]:
+    """Logical (dp, tp) meshes of a submesh: every factorisation inside one node; across
+    nodes, tp within a node (splitting a layer's matmuls over the network is never cheaper
+    than splitting the batch there)."""
+    n = sub.num_devices
+    if sub.num_nodes == 1:
+        return [(n // t, t) for t in range(1, n + 1) if n % t == 0]
+    M = sub.devices_per_node
+    return [(n // t, t) for t in range(1, M + 1) if M % t == 0]
+
+
+def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_fingerprint: str,
+                       input_signature, tensor_names: Mapping[int, str] | None = None,
+                       progress: Progress | None = None) -> Plan:
+    """Plans a pipelined step (module docstring). `progress` hears of the layer clustering,
+    each intra-op problem solved and the stage DP (`alpa_lite.progress`)."""
+    fwd = parts.forward
+    n_nodes = len(fwd.graph.nodes)
+    m = parts.num_micro_batches
+    names = forward_names(parts, tensor_names or {})
+    solver = solver_for(method.solver)
+    planner = PipelinePlanner(parts, cluster, solver, method.time_limit_s, names, progress)
+    alternatives: list[Alternative] = []
+    if isinstance(method, Manual):
+        pp = method.pp
+        if method.num_devices != cluster.num_devices:
+            raise ValueError(f"{method!r}: dp x tp x pp = {method.num_devices} but the cluster "
+                             f"{cluster.name!r} has {cluster.num_devices} devices")
+        report(progress, CLUSTER, 0, 1)
+        if method.layer_ranges is None or fwd.boundaries:
+            starts = forward_layers(fwd, min_layers=pp)
+        else:   # the ranges say how many layers to cluster into
+            starts = forward_layers(fwd, num_layers=method.layer_ranges[-1][1] + 1)
+        report(progress, CLUSTER, 1, 1)
+        L = len(starts)
+        if pp > L:
+            raise PlanningError(f"pp={pp} stages but the loss function has only {L} layers; "
+                                f"use pp <= {L} or mark more layers with al.mark_layer_boundary")
+        ranges = method.layer_ranges or _even_split(L, pp)
+        if ranges[-1][1] != L - 1:
+            raise PlanningError(f"layer_ranges {ranges} end at layer {ranges[-1][1]} but the "
+                                f"loss function has {L} layers (0..{L - 1}); cover them all")
+        per = method.dp * method.tp
+        bounds = layer_node_ranges(starts, n_nodes)
+        chosen = []
+        for s, (a, b) in enumerate(ranges):
+            mesh = LogicalMesh((method.dp, method.tp), ("dp", "tp"), device_offset=s * per)
+            chosen.append(((a, b), mesh, method.remat, False))
+        dp_stats = None
+    elif isinstance(method, Auto):
+        report(progress, CLUSTER, 0, 1)
+        starts = forward_layers(fwd, num_layers=method.num_layers)
+        report(progress, CLUSTER, 1, 1)
+        L = len(starts)
+        bounds = layer_node_ranges(starts, n_nodes)
+        chosen, dp_stats = _search(planner, method, cluster, bounds, m, alternatives)
+        chosen = _polish(planner, method, cluster, bounds, chosen, m, alternatives)
+    else:
+        raise TypeError(f"pipelined plans need al.Auto or al.Manual, got {method!r}")
+    stages = []
+    costs = []
+    for (a, b), mesh, remat, lean in chosen:
+        prog = planner.program(bounds[a][0], bounds[b][1])
+        cost = planner.cost(prog, mesh, method if isinstance(method, Manual) else None, lean)
+        st = cost.result.stage
+        stages.append(dataclasses.replace(
+            st, forward_s=cost.forward_s, backward_s=cost.backward_s, layers=(a, b),
+            remat=remat,
+            total_s=cost.forward_s * (2 if remat else 1) + cost.backward_s,
+            peak_memory_bytes=0.0))
+        costs.append(cost)
+    S = len(stages)
+    # Gradients: accumulated per device and reduced once per step where the stage's batch
+    # axes split nothing else (planning.gradient_sync).
+    sync_records, reduce_s = [], []
+    for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
+        prog = planner.program(bounds[a][0], bounds[b][1])
+        sync = stage_sync(parts, prog, costs[s].result, stages[s], s, mesh, cluster,
+                          planner.fwd_bdims, planner.input_names(prog))
+        stages[s] = sync.stage
+        sync_records.extend(sync.records)
+        reduce_s.append(sync.reduce_s)
+    for s, cost in enumerate(costs):
+        in_flight = min(S - s, m) if method.schedule == "1f1b" else m
+        act = cost.input_bytes if stages[s].remat else cost.act_bytes
+        stages[s] = dataclasses.replace(stages[s],
+                                        peak_memory_bytes=cost.param_bytes + act * in_flight)
+    if isinstance(method, Auto):
+        budget = method.memory_budget_bytes or cluster.device.memory_bytes
+        over = [s for s, st in enumerate(stages) if st.peak_memory_bytes > budget]
+        if over:
+            warnings.warn(
+                f"stage(s) {over} of the chosen pipeline need up to "
+                f"{max(stages[s].peak_memory_bytes for s in over) / 2**30:.2f} GiB per device, "
+                f"above the {budget / 2**30:.2f} GiB budget: the stage DP's per-layer estimate "
+                "and the whole stage's plan differ. Lower memory_budget_bytes a little, or "
+                "use more micro-batches", stacklevel=3)
+    sends = [_send_time(cluster, costs[s].output_bytes, stages[s], stages[s + 1])
+             for s in range(S - 1)]
+    # Stage s sends its outputs to s + 1, and the gradient of its inputs (the same bytes)
+    # back to s - 1.
+    timings = [StageTiming(forward_s=st.forward_s, backward_s=st.backward_s,
+                           send_activation_s=sends[s] if s < S - 1 else 0.0,
+                           send_gradient_s=sends[s - 1] if s > 0 else 0.0, remat=st.remat)
+               for s, st in enumerate(stages)]
+    sim = simulate(timings, m, schedule_from_name(method.schedule))
+    # After the last backward every stage applies its update at once: an element-wise pass
+    # over parameters, gradients and optimizer state, read and written, at memory bandwidth.
+    apply_s = max(2 * c.param_bytes / cluster.device.memory_bandwidth_bytes_per_s
+                  for c in costs)
+    # Each stage reduces its accumulated gradients after its last backward; the stages do
+    # so side by side, so the slowest one's reduction is added to the step.
+    spec = PipelineSpec(num_micro_batches=m, schedule=method.schedule, layer_starts=tuple(starts),
+                        loss_scale=parts.loss_scale, forward_fingerprint=fwd.fingerprint,
+                        step_time_s=sim.step_time_s + max(reduce_s) + apply_s,
+                        bubble_fraction=sim.bubble_fraction, send_s=tuple(sends),
+                        apply_s=apply_s, reduce_s=max(reduce_s))
+    unsharded = tuple(sorted({p for c in costs for p in c.result.unsharded_primitives}))
+    stats = PlanningStats(
+        build_s=planner.build_s, solve_s=planner.solve_s,
+        nodes_before_merge=sum(c.result.nodes_before_merge for c in costs),
+        nodes_after_merge=sum(c.result.nodes_after_merge for c in costs),
+        ilp_nodes=sum(c.result.ilp_nodes for c in costs),
+        ilp_variables=sum(c.result.ilp_variables for c in costs),
+        ilp_constraints=sum(c.result.ilp_constraints for c in costs),
+        num_layers=L, layer_ilps=planner.ilps,
+        dp_s=dp_stats.solve_time_s if dp_stats else 0.0,
+        dp_t_max_tried=dp_stats.t_max_tried if dp_stats else 0,
+        dp_cost_queries=dp_stats.cost_queries if dp_stats else 0)
+    return Plan(method=repr(method), cluster_name=cluster.name,
+                cluster_fingerprint=cluster.fingerprint(), program_fingerprint=traced_fingerprint,
+                input_signature=input_signature, stages=tuple(stages),
+                unsharded_primitives=unsharded, pipeline=spec, stats=stats,
+                explanation=Explanation(tuple(alternatives)) if alternatives else None,
+                gradient_sync=tuple(sync_records))
+
+
+def forward_names(parts: StepParts, outer_names: Mapping[int, str]) -> dict[int, str]:
+    """Forward-graph input names from the step's (the loss function's operands are step
+    arguments)."""
+    node = parts.outer.graph.nodes[parts.grad_node]
+    names = {}
+    for t_fwd, t_outer in zip(parts.forward.graph.inputs, node.inputs):
+        if t_outer is not None:
+            names[t_fwd] = outer_names.get(t_outer, parts.outer.graph.tensors[t_outer].name)
+    return names
+
+
+def _even_split(L: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """pp contiguous layer ranges whose sizes differ by at most one (Megatron's uniform
+    split); the extra layers go to the first stages."""
+    base, extra = divmod(L, pp)
+    out, a = [], 0
+    for s in range(pp):
+        size = base + (1 if s < extra else 0)
+        out.append((a, a + size - 1))
+        a += size
+    return tuple(out)
+
+
+def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, chosen, m: int,
+            alternatives: list[Alternative] | None = None):
+    """The DP costs a stage as the sum of its layers; each chosen stage is now planned whole
+    on the logical meshes of its submesh (fastest and memory-lean, with its remat choice)
+    and keeps the fastest that fits, so the final mesh choice is made on whole stages.
+    Each whole-stage plan weighed is appended to `alternatives` (kind "mesh"), for
+    `alpa-lite explain`.
+
+    Meshes are tried in the order of their layer sums. A whole stage costs at least the sum
+    of its layers planned alone (it adds the resharding between layers), so once a whole
+    plan that fits is in hand, a mesh whose layer sum is no faster is not planned."""
+    budget = method.memory_budget_bytes or cluster.device.memory_bytes
+    S = len(chosen)
+    out = []
+
+    def candidates(a: int, b: int, mesh: LogicalMesh, remat: bool):
+        sub = SubmeshShape(max(1, mesh.num_devices // cluster.devices_per_node),
+                           min(mesh.num_devices, cluster.devices_per_node))
+        found = []
+        for shape in _logical_shapes(sub):
+            at_zero = LogicalMesh(shape, ("x", "y"))
+            sums = np.zeros(2)
+            for layer in range(a, b + 1):
+                for i, c in enumerate(_layer_options(planner, planner.program(*bounds[layer]),
+                                                     at_zero)):
+                    sums[i] += c.forward_s * (2 if remat else 1) + c.backward_s
+            cand = LogicalMesh(shape, ("x", "y"), device_offset=mesh.device_offset)
+            found += [(sums[0], cand, False), (sums[1], cand, True)]
+        return sorted(found, key=lambda f: (f[0], f[2], f[1].shape))
+
+    plans = [(planner.program(bounds[a][0], bounds[b][1]), candidates(a, b, mesh, remat))
+             for (a, b), mesh, remat, _ in chosen]
+    planner.prefetch((prog, cands[0][1], None, cands[0][2]) for prog, cands in plans)
+    for s, (((a, b), mesh, remat, lean), (prog, cands)) in enumerate(zip(chosen, plans)):
+        in_flight = min(S - s, m) if method.schedule == "1f1b" else m
+        best = None
+        weighed = []
+        for layer_sum, cand, lean_ in cands:
+            if best is not None and not best[0][0] and layer_sum >= best[0][1]:
+                break
+            label = f"mesh {cand.shape}{' lean' if lean_ else ''}{' remat' if remat else ''}"
+            try:
+                c = planner.cost(prog, cand, None, lean_)
+            except PlanningError:
+                weighed.append(Alternative("mesh", s, f"{label}: no plan", 0.0, 0.0, False))
+                continue
+            act = c.input_bytes if remat else c.act_bytes
+            memory = c.param_bytes + act * in_flight
+            t = c.forward_s * (2 if remat else 1) + c.backward_s
+            key = (memory > budget, t)
+            weighed.append(Alternative("mesh", s, label, t, memory, memory <= budget))
+            if best is None or key < best[0]:
+                best = (key, ((a, b), cand, remat, lean_), len(weighed) - 1)
+        if alternatives is not None:
+            pick = best[2] if best is not None else -1
+            alternatives.extend(dataclasses.replace(w, chosen=True) if i == pick else w
+                                for i, w in enumerate(weighed))
+        out.append(best[1] if best is not None else ((a, b), mesh, remat, lean))
+    return out
+
+
+def _layer_options(planner: PipelinePlanner, prog: StageProgram, mesh: LogicalMesh):
+    """A layer's fastest and memory-lean plans on `mesh` (the same plan where the fastest
+    already splits every parameter as finely as the mesh allows). For their costs only:
+    memoised per layer structure, so the sharding tables name the first such layer's
+    tensors."""
+    key = (prog.structure, mesh.shape, mesh.axis_names)
+    if key not in planner.options:
+        fast = planner.cost(prog, mesh, None)
+        lean = fast
+        if not _params_finest(prog, fast, mesh):
+            try:
+                lean = planner.cost(prog, mesh, None, lean=True)
+            except PlanningError:
+                pass
+        planner.options[key] = (fast, lean)
+    return planner.options[key]
+
+
+def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m: int,
+            alternatives: list[Alternative] | None = None):
+    """Alpa's inter-op search: per-layer intra-op costs, summed per range, into the DP.
+    What the DP weighed against its plan goes to `alternatives` (`_dp_alternatives`)."""
+    N, M = cluster.num_nodes, cluster.devices_per_node
+    shapes = submesh_shapes(N, M)
+    L = len(bounds)
+    budget = method.memory_budget_bytes or cluster.device.memory_bytes
+    # Per layer, per (submesh, logical shape): the layer's cost. Logical meshes are laid at
+    # the start of a node-aligned block; the submesh's place does not change its costs.
+    # Two options per layer and logical mesh: the fastest sharding, and the fastest with
+    # every parameter split as finely as the mesh allows (the per-layer solves have no
+    # memory budget, so without it a model whose fastest layers replicate their weights
+    # over a data-parallel axis would have nothing that fits). The lean one is solved only
+    # where the fastest does not already split every parameter that finely.
+    rows: dict[tuple[int, tuple[int, int], str], list] = {}
+    progs = [planner.program(a, b) for a, b in bounds]
+    meshes = [LogicalMesh(shape, ("x", "y")) for sub in shapes for shape in _logical_shapes(sub)]
+    distinct = list({prog.structure: prog for prog in progs}.values())
+    planner.prefetch((prog, mesh, None, False) for prog in distinct for mesh in meshes)
+    planner.prefetch((prog, mesh, None, True) for prog in distinct for mesh in meshes
+                     if not _params_finest(prog, planner.cost(prog, mesh, None), mesh))
+    for li, prog in enumerate(progs):
+        for si, sub in enumerate(shapes):
+            for shape in _logical_shapes(sub):
+                options = _layer_options(planner, prog, LogicalMesh(shape, ("x", "y")))
+                for kind, c in zip(("fast", "lean"), options):
+                    rows.setdefault((si, shape, kind), []).append(
+                        [c.forward_s, c.backward_s, c.param_bytes, c.act_bytes, c.input_bytes])
+    prefix = {k: np.vstack([np.zeros(5), np.cumsum(np.array(v), axis=0)])
+              for k, v in rows.items()}
+    index = {sub: i for i, sub in enumerate(shapes)}
+    gpipe = method.schedule == "gpipe"
+
+    def options(start: int, end: int, sub: SubmeshShape):
+        si = index[sub]
+        out = []
+        for shape in _logical_shapes(sub):
+            for kind in ("fast", "lean"):
+                p = prefix[(si, shape, kind)]
+                f, bw, par, act, inp = p[end + 1] - p[start]
+                tag = "" if kind == "fast" else " lean"
+                if gpipe:   # every stage holds all m micro-batches, not the DP's 1F1B count
+                    par, act, inp, kept = par + act * m, 0.0, 0.0, par + inp * m
+                else:
+                    kept = par
+                out.append(StageOption(f + bw, par, act, label=f"{shape}{tag}"))
+                out.append(StageOption(2 * f + bw, kept, inp, label=f"{shape}{tag} remat"))
+        return out
+
+    report(planner.progress, DP, 0, 1)
+    try:
+        plan, stats = solve_stage_dp(L, N, M, m, options, budget, max_stages=method.max_stages)
+    except NoFeasiblePipelineError as e:
+        raise PlanningError(f"no pipeline plan fits in {budget / 2**30:.1f} GiB per device: "
+                            f"{e}") from None
+    report(planner.progress, DP, 1, 1)
+    if alternatives is not None:
+        alternatives.extend(_dp_alternatives(plan, shapes, options, budget, m, L,
+                                             method.max_stages))
+    sizes = [st.submesh.num_devices for st in plan.stages]
+    offsets = _place(cluster, sizes)
+    chosen = []
+    for st, off in zip(plan.stages, offsets):
+        label = st.option.label
+        shape = tuple(int(x) for x in label.split(")")[0].strip("(").split(","))
+        chosen.append(((st.start, st.end), LogicalMesh(shape, ("x", "y"), device_offset=off),
+                       label.endswith("remat"), " lean" in label))
+    return chosen, stats
+
+
+def _dp_alternatives(plan, shapes, options, budget: float, m: int, L: int,
+                     max_stages: int | None) -> list[Alternative]:
+    """What the stage DP's plan beat, costed with the DP's own stage options (a few
+    hundred bytes in the plan, so `alpa-lite explain` needs no new search):
+
+    - "option": per chosen stage, the other options of its layers on its submesh (other
+      logical meshes, memory-lean or not, remat or not), the fastest first;
+    - "cut": the pipeline with one stage boundary moved one layer either way;
+    - "stages": S equal stages on equal submeshes with the layers split evenly (the
+      Megatron-style uniform pipeline), for every S the devices allow, and the DP's own
+      plan ("chosen").
+    Pipelines are costed as the DP costs them: each stage takes its fastest option that
+    fits its micro-batches in flight (S - s under 1F1B), latency = sum + (m - 1) x max.
+    """
+    S = plan.num_stages
+    out = [Alternative("stages", -1, f"chosen: {S} stage(s)", plan.latency_s, 0.0, True,
+                       chosen=True)]
+
+    def fastest(start, end, sub, in_flight):
+        fits = [o for o in options(start, end, sub)
+                if o.param_bytes + o.act_bytes * in_flight <= budget]
+        return min(fits, key=lambda o: o.latency_s) if fits else None
+
+    def latency(stages):   # [(start, end, submesh)] -> the DP's latency, None if one cannot fit
+        n = len(stages)
+        picked = [fastest(a, b, sub, n - i) for i, (a, b, sub) in enumerate(stages)]
+        if any(o is None for o in picked):
+            return None
+        t = [o.latency_s for o in picked]
+        return sum(t) + (m - 1) * max(t)
+
+    for s, st in enumerate(plan.stages):
+        opts = sorted(options(st.start, st.end, st.submesh), key=lambda o: o.latency_s)
+        shown = [o for o in opts if o != st.option][:5]
+        for o in sorted([st.option] + shown, key=lambda o: o.latency_s):
+            memory = o.param_bytes + o.act_bytes * (S - s)
+            out.append(Alternative("option", s, f"mesh {o.label} on submesh {st.submesh}",
+                                   o.latency_s,
+                                   memory, memory <= budget, chosen=o == st.option))
+    ranges = [(st.start, st.end, st.submesh) for st in plan.stages]
+    for s in range(S - 1):
+        (a, b, sa), (_, d, sb) = ranges[s], ranges[s + 1]
+        for shift in (-1, 1):
+            if not a <= b + shift < d:
+                continue
+            moved = list(ranges)
+            moved[s], moved[s + 1] = (a, b + shift, sa), (b + shift + 1, d, sb)
+            t = latency(moved)
+            out.append(Alternative("cut", s, f"stage {s} ends at layer {b + shift} "
+                                   f"(chosen: {b})", t if t is not None else 0.0, 0.0,
+                                   t is not None))
+    devices = shapes[-1].num_devices   # the last submesh shape is the whole cluster
+    for n in range(1, min(L, devices, max_stages or L) + 1):
+        subs = [sh for sh in shapes if sh.num_devices * n == devices]
+        if not subs:
+            continue
+        cuts = [p * L // n for p in range(n + 1)]
+        t = latency([(cuts[p], cuts[p + 1] - 1, subs[0]) for p in range(n)])
+        out.append(Alternative("stages", -1, f"{n} equal stage(s) of {subs[0]}",
+                               t if t is not None else 0.0, 0.0, t is not None))
+    return out

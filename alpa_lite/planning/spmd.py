@@ -1,0 +1,291 @@
+"""From a traced step, a method and a cluster to a `Plan`.
+
+`make_plan(traced, method, cluster)` turns the user's method into a search space and runs
+the intra-op ILP over it:
+
+- `Auto`: every 2-D logical mesh shape over the devices (mesh (1, N) and (N, 1) are the same
+  problem, so only one is solved); the cheapest estimated step wins.
+- `Manual(dp, tp)`: mesh (dp, tp). The batch is split over dp, weights are replicated over
+  dp, and over tp each weight gets the Megatron split found by `megatron_weight_dims`; the
+  ILP then places everything else, so manual plans are costed exactly like auto plans.
+- `DataParallel`: `Manual(dp=N, tp=1)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Mapping
+
+from alpa_lite.cost_models.cluster import Cluster
+from alpa_lite.errors import PlanningError
+from alpa_lite.ir.graph import OpGraph, Role, Tensor
+from alpa_lite.planning.intra_op import StageResult, plan_stage
+from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, SolverChoice
+from alpa_lite.ir.batch import batch_dims
+from alpa_lite.ir.op_rules import dim_labels
+from alpa_lite.plan import Alternative, Explanation, Plan, PlanningStats
+from alpa_lite.progress import ILPS, Progress, report
+from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
+from alpa_lite.solvers.sharding_ilp import Solver
+from alpa_lite.ir.tracing import TracedStep
+
+_VIEW_OPS = frozenset({"convert_element_type", "copy", "copy_p", "transpose",
+                       "broadcast_in_dim", "reduce_precision"})
+
+
+def solver_for(choice: SolverChoice) -> Solver:
+    return Solver.CBC if choice is SolverChoice.CBC else Solver.HIGHS
+
+
+def auto_mesh_shapes(num_devices: int) -> tuple[tuple[int, int], ...]:
+    """Every 2-D factorisation (a, b) of the device count; (1, N) stands for (N, 1) too."""
+    shapes = [(a, num_devices // a) for a in range(1, num_devices + 1) if num_devices % a == 0]
+    return tuple(s for s in shapes if s != (num_devices, 1) or num_devices == 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronLayout:
+    """Per parameter, the dimension split over tp (None: whole); and per matmul that reads a
+    parameter (through casts or transposes), that operand's dims mapped to the param's."""
+    weight_dims: dict[int, int | None]
+    weight_reads: tuple[tuple[int, int, int, tuple[int | None, ...]], ...]  # node, pos, param, dim map
+
+    def operand_spec(self, param: int, dmap: tuple[int | None, ...]) -> TensorSpec:
+        pdim = self.weight_dims.get(param)
+        return TensorSpec(tuple(("tp",) if pdim is not None and d == pdim else ()
+                                for d in dmap))
+
+
+def megatron_weight_dims(graph: OpGraph, tp: int) -> MegatronLayout:
+    """Which dimension of each parameter Megatron-LM splits over the tensor-parallel axis.
+
+    Walks the forward pass tracking which dimension of each activation is split. A matmul
+    whose activation operand is whole splits its weight's output features (column parallel:
+    its result is split on those features); one whose activation is split on the contracted
+    dimension splits the weight's input features (row parallel: its result is a partial sum,
+    whole after the all-reduce). Attention follows: the fused QKV projection is
+    column-split, the head reshape carries the split to the heads, the two attention
+    matmuls keep it, and the output projection is row-split. A bias or scale added to a
+    split activation is split the same way. Returns param tensor id -> dim (None: whole).
+    """
+    split: dict[int, int | None] = {}          # tensor id -> split dim or None
+    view: dict[int, tuple[int, tuple[int | None, ...]]] = {}   # tensor -> (param, dim map)
+    assigned: dict[int, int | None] = {}
+    reads: list[tuple[int, int, int, tuple[int | None, ...]]] = []
+    for t in graph.tensors:
+        if t.role is Role.PARAM:
+            view[t.id] = (t.id, tuple(range(len(t.shape))))
+
+    def assign(param: int, pdim: int | None) -> None:
+        if param in assigned:
+            return
+        if pdim is not None and graph.tensors[param].shape[pdim] % tp:
+            pdim = None
+        assigned[param] = pdim
+
+    for node in graph.nodes:
+        ins = [None if t is None else graph.tensors[t].shape for t in node.inputs]
+        outs = [graph.tensors[t].shape for t in node.outputs]
+        labels = dim_labels(node.primitive, node.params, ins, outs)
+        if labels is None:
+            continue
+        # Views of parameters (casts, transposes, broadcasts) keep pointing at the param.
+        if node.primitive in _VIEW_OPS and node.inputs[0] in view and labels.operands[0]:
+            param, dmap = view[node.inputs[0]]
+            lab_in, lab_out = labels.operands[0], labels.outputs[0]
+            out_map = tuple(dmap[lab_in.index(l)] if l in lab_in else None for l in lab_out)
+            view[node.outputs[0]] = (param, out_map)
+        # The split label carried by the activation operands.
+        act_labels = []
+        for pos, t in enumerate(node.inputs):
+            if t is None or t in view or labels.operands[pos] is None:
+                continue
+            d = split.get(t)
+            if d is not None:
+                act_labels.append(labels.operands[pos][d])
+        carried = act_labels[0] if act_labels else None
+        params_here = [(pos, t) for pos, t in enumerate(node.inputs)
+                       if t is not None and t in view and labels.operands[pos] is not None]
+        if node.primitive == "dot_general" and params_here:
+            pos, t = params_here[0]
+            param, dmap = view[t]
+            reads.append((node.id, pos, param, dmap))
+            plab = labels.operands[pos]
+            out_labels = set(labels.outputs[0])
+            if carried is None:
+                free = [d for d, l in enumerate(plab) if l in out_labels
+                        and not any(l in (labels.operands[q] or ()) for q in range(len(ins))
+                                    if q != pos)]
+                if free and param not in assigned:
+                    assign(param, dmap[free[-1]])
+                pd = assigned.get(param)
+                if pd is not None and pd in dmap:
+                    carried = plab[dmap.index(pd)]
+            elif carried in plab and carried not in out_labels:
+                assign(param, dmap[plab.index(carried)])
+            else:
+                assign(param, None)
+        elif params_here and carried is not None:
+            for pos, t in params_here:
+                param, dmap = view[t]
+                plab = labels.operands[pos]
+                if carried in plab and dmap[plab.index(carried)] is not None:
+                    assign(param, dmap[plab.index(carried)])
+        for k, t in enumerate(node.outputs):
+            lab = labels.outputs[k]
+            ok = carried is not None and carried in lab and carried not in labels.fixed \
+                and labels.sizes[carried] % tp == 0
+            split[t] = lab.index(carried) if ok else None
+    for t in graph.tensors:
+        if t.role is Role.PARAM:
+            assigned.setdefault(t.id, None)
+    return MegatronLayout(assigned, tuple(reads))
+
+
+def manual_pins(graph: OpGraph, dp: int, tp: int, zero: bool,
+                 seeds: Mapping[int, int | None] | None = None, split_batch: bool = False):
+    """Input and operator pins of a Manual(dp, tp) plan. With `split_batch` (DataParallel)
+    every value that carries the batch keeps it split over dp: without it the ILP may
+    gather the batch and compute replicated, which skips the gradient all-reduce on slow
+    links but is not data parallelism."""
+    layout = megatron_weight_dims(graph, tp)
+    weight_dims = layout.weight_dims if tp > 1 else {}
+    read_spec = {(n, pos): layout.operand_spec(param, dmap) if tp > 1
+                 else TensorSpec.replicated(len(dmap))
+                 for n, pos, param, dmap in layout.weight_reads}
+
+    # Data parallelism splits the batch dimension and nothing else: dp may only split the
+    # dimension that carries the batch; a tensor without one (weights, their gradients,
+    # the optimizer update) is whole over dp, except under ZeRO, where it may split.
+    bdims = batch_dims(graph, seeds)
+
+    def node_pin(node, strategy) -> bool:
+        # Matmuls read their weights as stored: no weight is resharded in the forward or
+        # backward pass, as in Megatron-LM.
+        for pos in range(len(node.inputs)):
+            want = read_spec.get((node.id, pos))
+            if want is not None and strategy.in_specs[pos] != want:
+                return False
+        for t, spec in zip(node.outputs, strategy.out_specs):
+            d = spec.dim_of("dp")
+            if d is not None and d != bdims.get(t) and not (zero and bdims.get(t) is None):
+                return False
+            if split_batch and dp > 1 and bdims.get(t) is not None and d != bdims[t]:
+                return False
+        return True
+
+    def pin(t: Tensor, spec: TensorSpec) -> bool:
+        dp_dim = spec.dim_of("dp")
+        tp_dim = spec.dim_of("tp")
+        if t.role is Role.BATCH:
+            return (dp == 1 or dp_dim == bdims.get(t.id)) and tp_dim is None
+        if t.role is Role.PARAM:
+            return dp_dim is None and tp_dim == weight_dims.get(t.id)
+        if t.role is Role.OPT_STATE and zero and dp > 1:
+            first = next((d for d, s in enumerate(t.shape)
+                          if s % dp == 0 and not (spec.dims[d] and "tp" in spec.dims[d]
+                                                  and spec.dims[d][0] == "tp")), None)
+            return dp_dim == first
+        return dp_dim is None
+    return pin, node_pin
+
+
+def _check_batch(graph: OpGraph, dp: int) -> None:
+    for t in graph.tensors_with_role(Role.BATCH):
+        if not t.shape:
+            raise PlanningError(f"batch leaf {t.name} is a scalar; a batch leaf needs a "
+                                "leading batch dimension to split over data-parallel devices")
+        if t.shape[0] % dp:
+            raise PlanningError(
+                f"batch leaf {t.name} has leading dimension {t.shape[0]}, which is not "
+                f"divisible by dp={dp}; use a batch size that is a multiple of {dp}")
+
+
+def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
+              tensor_names: Mapping[int, str] | None = None,
+              progress: Progress | None = None) -> Plan:
+    """Plans `traced` for `cluster` with `method`. See the module docstring.
+
+    `progress` is told of each intra-op problem solved (`alpa_lite.progress`)."""
+    graph = traced.graph
+    n = cluster.num_devices
+    if isinstance(method, DataParallel):
+        method_m = Manual(dp=n, tp=1, shard_optimizer_state=method.shard_optimizer_state)
+    else:
+        method_m = method
+    results: list[tuple[LogicalMesh, StageResult]] = []
+    failures: list[PlanningError] = []
+    if isinstance(method_m, Manual):
+        if method_m.num_devices != n:
+            raise ValueError(f"{method!r}: dp x tp = {method_m.num_devices} but the cluster "
+                             f"{cluster.name!r} has {n} devices; choose dp and tp whose "
+                             f"product is {n}")
+        _check_batch(graph, method_m.dp)
+        mesh = LogicalMesh((method_m.dp, method_m.tp), ("dp", "tp"))
+        pin, node_pin = manual_pins(graph, method_m.dp, method_m.tp,
+                                     method_m.shard_optimizer_state,
+                                     split_batch=isinstance(method, DataParallel))
+        report(progress, ILPS, 0, 1)
+        res = plan_stage(graph, mesh, cluster, pin=pin, node_pin=node_pin,
+                         memory_budget_bytes=None, solver=solver_for(method_m.solver),
+                         time_limit_s=method_m.time_limit_s, tensor_names=dict(tensor_names or {}))
+        results.append((mesh, res))
+        report(progress, ILPS, 1, 1)
+    elif isinstance(method_m, Auto):
+        budget = method_m.memory_budget_bytes or cluster.device.memory_bytes
+        shapes = method_m.mesh_shapes or auto_mesh_shapes(n)
+        report(progress, ILPS, 0, len(shapes))
+        for i, shape in enumerate(shapes):
+            if shape[0] * shape[1] != n:
+                raise ValueError(f"Auto(mesh_shapes=...) has {shape}, whose product is not "
+                                 f"the {n} devices of cluster {cluster.name!r}")
+            mesh = LogicalMesh(tuple(shape), ("x", "y"))
+            try:
+                res = plan_stage(graph, mesh, cluster, memory_budget_bytes=budget,
+                                 solver=solver_for(method_m.solver),
+                                 time_limit_s=method_m.time_limit_s,
+                                 tensor_names=dict(tensor_names or {}))
+            except PlanningError as e:
+                failures.append(e)
+                report(progress, ILPS, i + 1, len(shapes))
+                continue
+            results.append((mesh, res))
+            report(progress, ILPS, i + 1, len(shapes))
+        if not results:
+            raise PlanningError("no logical mesh gives a plan that fits: "
+                                + " | ".join(str(e) for e in failures))
+    else:
+        raise TypeError(f"method must be al.Auto(), al.Manual(...) or al.DataParallel(), "
+                        f"got {method!r}")
+    _, best = min(results, key=lambda r: (round(r[1].stage.total_s, 12), r[0].shape))
+    if best.unsharded_primitives:
+        warnings.warn(f"no sharding rule for {', '.join(best.unsharded_primitives)}: these "
+                      "operators run replicated on every device (correct, but not split)",
+                      stacklevel=3)
+    stats = PlanningStats(
+        build_s=sum(r.build_s for _, r in results), solve_s=sum(r.solve_s for _, r in results),
+        nodes_before_merge=best.nodes_before_merge, nodes_after_merge=best.nodes_after_merge,
+        ilp_nodes=best.ilp_nodes,
+        ilp_variables=best.ilp_variables, ilp_constraints=best.ilp_constraints,
+        candidates=tuple((f"{m.shape}", r.stage.total_s) for m, r in results))
+    explanation = None
+    if isinstance(method_m, Auto):
+        # For `alpa-lite explain`: every mesh tried, with its estimate (the ILP enforced
+        # the budget, so a mesh either has a plan that fits or none).
+        budget = method_m.memory_budget_bytes or cluster.device.memory_bytes
+        alts = [Alternative("mesh", 0, f"mesh {m.shape}", r.stage.total_s,
+                            r.stage.peak_memory_bytes, r.stage.peak_memory_bytes <= budget,
+                            chosen=r is best) for m, r in results]
+        alts += [Alternative("mesh", 0, f"mesh {tuple(shape)}: no plan fits", 0.0, 0.0, False)
+                 for shape in shapes if tuple(shape) not in {m.shape for m, _ in results}]
+        explanation = Explanation(alternatives=tuple(alts))
+    return Plan(method=repr(method), cluster_name=cluster.name,
+                cluster_fingerprint=cluster.fingerprint(),
+                program_fingerprint=traced.fingerprint, input_signature=traced.input_avals,
+                stages=(best.stage,), unsharded_primitives=best.unsharded_primitives,
+                stats=stats, explanation=explanation)
+
+
+def replace_stats(plan: Plan, **kw) -> Plan:
+    return dataclasses.replace(plan, stats=dataclasses.replace(plan.stats, **kw))

@@ -1,0 +1,533 @@
+"""The pipeline runtime: executes a pipelined `Plan` on disjoint submeshes (MPMD).
+
+Per stage, two programs are jitted on the stage's `Mesh` with the shardings the plan chose
+(the same replay as the single-stage runtime, on the stage's forward+backward graph): the
+forward of one micro-batch (returning the stage outputs and the residuals its backward
+needs, or only the outputs when the stage recomputes) and the backward (parameter gradients,
+added into per-stage accumulators, and the gradients of the stage inputs, sent back).
+Activations and their gradients move between submeshes with `jax.device_put` to the
+receiving stage's shardings. The tasks are issued from Python in the plan's schedule
+order (GPipe or 1F1B); JAX dispatches asynchronously, so stages on different devices run
+side by side.
+
+After the last backward, the apply-gradient part of the step (the optimizer update) runs
+where the parameters live: each operator of it goes to the stage owning what it reads, and
+values one stage computes for another (e.g. a global gradient norm) are moved between
+them. The runtime knows nothing of how the plan was found.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from alpa_lite.cost_models.pipeline_schedule import schedule_from_name, stage_order
+from alpa_lite.runtime.distributed import on_every_process, place
+from alpa_lite.errors import PlanMismatchError
+from alpa_lite.ir.graph import Role
+from alpa_lite.ir.step_parts import (StageProgram, StepParts, local_forward, replay,
+                                    stage_program)
+from alpa_lite.plan import Plan, StagePlan
+from alpa_lite.runtime.spmd import named_sharding, partition_spec, shardings_like, stage_mesh
+from alpa_lite.plan.sharding import TensorSpec
+
+
+class _Stage:
+    """One stage's compiled forward, backward and gradient accumulation.
+
+    With `accumulate_axes` in the stage's plan, the backward runs per device over those
+    axes (`jax.shard_map`, the other axes left to the partitioner): it replays the stage
+    program traced at 1/replicas of the micro-batch, so each device's parameter gradients
+    are its own partial sums, returned stacked over the axes ([replicas, ...]), summed over
+    micro-batches where they are, and reduced once by `reduce` after the last backward.
+    """
+
+    def __init__(self, parts: StepParts, prog: StageProgram, stage: StagePlan,
+                 devices: Sequence[Any]):
+        self.prog = prog
+        self.plan = stage
+        self.mesh = stage_mesh(stage, devices)
+        fb = prog.fb.graph
+        spec: dict[int, TensorSpec] = dict(stage.tensor_specs)
+        spec.update(zip(fb.inputs, stage.input_specs))
+        self.spec = spec
+        ns = self.sharding
+        self._tensor = {t: ns(s) for t, s in stage.tensor_specs if s.rank}
+        self._operand = {(n, p): ns(s) for n, p, s in stage.operand_specs if s.rank}
+        out_spec = dict(zip(fb.outputs, stage.output_specs))
+        self.out_spec = out_spec
+        P, A = len(prog.params), len(prog.acts)
+        self.param_in = [ns(spec[t]) for t in prog.fb_params]
+        self.act_in = [ns(spec[t]) for t in prog.fb_acts]
+        self.ct_in = [ns(spec[t]) for t in prog.fb_cts]
+        self.out = [ns(out_spec[t]) for t in prog.fb_outputs]
+        self.grad_out = [ns(out_spec[t]) for t in prog.fb_param_grads]
+        self.act_grad_out = [ns(out_spec[t]) for t in prog.fb_act_grads]
+        self.res = [ns(spec[t]) for t in prog.residuals]
+        inputs = fb.inputs
+        remat = stage.remat
+
+        def forward(params, acts):
+            env = dict(zip(inputs[:P], params))
+            env.update(zip(inputs[P:P + A], acts))
+            replay(prog.fb, prog.fwd_nodes, env, self._tensor, self._operand)
+            outs = [env[t] for t in prog.fb_outputs]
+            return outs, ([] if remat else [env[t] for t in prog.residuals])
+
+        def backward_of(run: StageProgram, tensor, operand):
+            def backward(params, acts, residuals, cts):
+                env = dict(zip(inputs[:P], params))
+                env.update(zip(inputs[P:P + A], acts))
+                env.update(zip(run.fb_cts, cts))
+                if remat:
+                    replay(run.fb, run.remat_nodes, env, tensor, operand)
+                else:
+                    env.update(zip(run.residuals, residuals))
+                    replay(run.fb, run.bwd_nodes, env, tensor, operand)
+                return ([env[t] for t in run.fb_param_grads],
+                        [env[t] for t in run.fb_act_grads])
+            return backward
+
+        self.forward = jax.jit(forward, in_shardings=(self.param_in, self.act_in),
+                               out_shardings=(self.out, [] if remat else self.res))
+        in_shardings = (self.param_in, self.act_in, [] if remat else self.res, self.ct_in)
+        self.axes = tuple(stage.accumulate_axes)
+        if not self.axes:
+            self.backward = jax.jit(backward_of(prog, self._tensor, self._operand),
+                                    in_shardings=in_shardings,
+                                    out_shardings=(self.grad_out, self.act_grad_out))
+            self.reduce = None
+        else:
+            replicas = math.prod(self.mesh.shape[a] for a in self.axes)
+            local = stage_program(local_forward(parts, replicas)[0], prog.start, prog.stop)
+            lfb = local.fb.graph
+            auto = lambda s: _auto_spec(s, self.axes)         # noqa: E731
+
+            def manual(t: int) -> PartitionSpec:
+                # A replica's share: its slice of the one dimension that shrinks per
+                # replica (the plan checked it is split over the axes there, or whole).
+                full, part = fb.tensors[t].shape, lfb.tensors[t].shape
+                return PartitionSpec(*[self.axes if a != b else None
+                                       for a, b in zip(full, part)])
+            body = backward_of(local, {t: auto(s) for t, s in stage.tensor_specs if s.rank},
+                               {(n, p): auto(s) for n, p, s in stage.operand_specs if s.rank})
+
+            def stacked(*args):
+                g_params, g_acts = body(*args)
+                return [g[None] for g in g_params], g_acts
+
+            stack = PartitionSpec(self.axes)
+            in_specs = ([manual(t) for t in prog.fb_params],
+                        [manual(t) for t in prog.fb_acts],
+                        [] if remat else [manual(t) for t in prog.residuals],
+                        [manual(t) for t in prog.fb_cts])
+            out_specs = ([stack for _ in prog.fb_param_grads],
+                         [manual(t) for t in prog.fb_act_grads])
+            self.grad_stacked = [
+                NamedSharding(self.mesh, PartitionSpec(self.axes, *partition_spec(out_spec[t])))
+                for t in prog.fb_param_grads]
+            self.backward = jax.jit(
+                jax.shard_map(stacked, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                              axis_names=set(self.axes), check_vma=False),
+                in_shardings=in_shardings, out_shardings=(self.grad_stacked, self.act_grad_out))
+            # The once-per-step reduction: the partitioner turns the sum over the stacked
+            # axis into one all-reduce over `axes` (the stage's gradients combined).
+            self.reduce = jax.jit(lambda gs: [g.sum(0) for g in gs],
+                                  out_shardings=self.grad_out, donate_argnums=0)
+        self.accumulate = jax.jit(lambda acc, g: [a + b for a, b in zip(acc, g)],
+                                  donate_argnums=0)
+
+    def loss_cotangent(self, loss_scale: float, dtype) -> np.ndarray:
+        """The cotangent of the loss this stage's backward starts from: the step's scale,
+        times each replica's share when the backward runs per replica."""
+        return np.asarray(loss_scale * self.plan.local_loss_scale, dtype)
+
+    def sharding(self, spec: TensorSpec) -> NamedSharding:
+        return named_sharding(self.mesh, spec)
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
+class PipelineExecutable:
+    """A pipelined plan made runnable: call with the step's positional arguments."""
+
+    def __init__(self, parts: StepParts, plan: Plan, devices: Sequence[Any]):
+        spec = plan.pipeline
+        if spec is None:
+            raise ValueError("PipelineExecutable needs a pipelined plan (plan.pipeline)")
+        if spec.forward_fingerprint != parts.forward.fingerprint:
+            raise PlanMismatchError("this plan was made for a different loss function "
+                                    "(forward fingerprints differ); plan again")
+        if spec.num_micro_batches != parts.num_micro_batches:
+            raise PlanMismatchError("the plan's micro-batch count differs from the trace's")
+        self.parts = parts
+        self.plan = plan
+        fwd = parts.forward.graph
+        n = len(fwd.nodes)
+        starts = list(spec.layer_starts) + [n]
+        self.stages = []
+        for st in plan.stages:
+            a, b = st.layers
+            prog = stage_program(parts.forward, starts[a], starts[b + 1])
+            self.stages.append(_Stage(parts, prog, st, devices))
+        self._layout()
+        # Fixed per plan: the order tasks are issued in, and where each gradient is summed.
+        self.tasks = self._tasks(schedule_from_name(spec.schedule), len(self.stages),
+                                 spec.num_micro_batches)
+        self.grad_sharding = {t: self._param_sharding(t) for t in self.param_home}
+
+    # ---- where everything lives ---------------------------------------------------------
+
+    def _layout(self) -> None:
+        parts, fwd = self.parts, self.parts.forward.graph
+        S = len(self.stages)
+        # Forward tensor -> the stage that makes it; and who reads what.
+        self.maker: dict[int, int] = {}
+        for s, st in enumerate(self.stages):
+            for t in st.prog.outputs:
+                self.maker[t] = s
+        self.readers: dict[int, list[int]] = {}
+        for s, st in enumerate(self.stages):
+            for t in st.prog.acts:
+                self.readers.setdefault(t, []).append(s)
+        # Parameters: the home is the first stage that reads one; later readers get copies.
+        self.param_home: dict[int, int] = {}
+        for s, st in enumerate(self.stages):
+            for t in st.prog.params:
+                self.param_home.setdefault(t, s)
+        loss = fwd.outputs[0]
+        self.loss_stage = self.maker[loss]
+        # The apply part: each outer node runs on the stage holding its largest placed
+        # operand (ties: the earlier stage), so big tensors stay where they are and only
+        # small values (a global gradient norm, a step count) move.
+        outer = parts.outer.graph
+        grad_node = outer.nodes[parts.grad_node]
+        fwd_of_outer = {t_o: t_f for t_f, t_o in zip(fwd.inputs, grad_node.inputs)
+                        if t_o is not None}
+        self.fwd_of_outer = fwd_of_outer
+        home: dict[int, int] = {}
+        for k, t in enumerate(parts.grad_outputs()):
+            home[t] = self.param_home[fwd.inputs[parts.call.grad_leaves[k]]]
+        home[parts.value_output()] = self.loss_stage
+        for t_o, t_f in fwd_of_outer.items():
+            if t_f in self.param_home:
+                home[t_o] = self.param_home[t_f]
+        node_home: dict[int, int] = {}
+        deferred = []
+        for nid in parts.apply_nodes:
+            node = outer.nodes[nid]
+            placed = [(outer.tensors[t].nbytes, -home[t]) for t in node.inputs
+                      if t is not None and t in home]
+            if placed:
+                node_home[nid] = -max(placed)[1]
+                for t in node.outputs:
+                    home[t] = node_home[nid]
+            else:
+                deferred.append(nid)
+        # A node reading only unplaced step inputs (e.g. an optimizer's step counter) runs
+        # with its first reader, else on the last stage.
+        for nid in reversed(deferred):
+            node = outer.nodes[nid]
+            readers = [node_home[c] for t in node.outputs for c in outer.consumers(t)
+                       if c in node_home]
+            node_home[nid] = min(readers) if readers else S - 1
+            for t in node.outputs:
+                home[t] = node_home[nid]
+        # Step inputs not placed yet live with their first reader (or with the output
+        # tied to them, so a training loop hands them back where they are needed).
+        for pos, t in enumerate(outer.inputs):
+            if t in home:
+                continue
+            tied = [o for o, tie in zip(outer.outputs, outer.output_ties) if tie == pos]
+            if tied and outer.producer(tied[0]) in node_home:
+                home[t] = node_home[outer.producer(tied[0])]
+            else:
+                readers = [node_home[c] for c in outer.consumers(t) if c in node_home]
+                home[t] = min(readers) if readers else 0
+        self.home = home
+        # Levels: a node one hop from a value made on another stage runs a level later.
+        level: dict[int, int] = {}
+        for nid in parts.apply_nodes:
+            node = outer.nodes[nid]
+            lv = 0
+            for t in node.inputs:
+                p = outer.producer(t) if t is not None else None
+                if p is None or p == parts.grad_node:
+                    continue
+                lv = max(lv, level[p] + (node_home[p] != node_home[nid]))
+            level[nid] = lv
+        segments: dict[tuple[int, int], list[int]] = {}
+        for nid in parts.apply_nodes:
+            segments.setdefault((level[nid], node_home[nid]), []).append(nid)
+        self.segments = []
+        needed_later = set(outer.outputs)
+        for (lv, s), nodes in sorted(segments.items()):
+            made = {t for nid in nodes for t in outer.nodes[nid].outputs}
+            ins = []
+            for nid in nodes:
+                for t in outer.nodes[nid].inputs:
+                    if t is not None and t not in made and t not in ins \
+                            and outer.tensors[t].role is not Role.CONST:
+                        ins.append(t)
+            self.segments.append((s, nodes, ins, made))
+        for s, nodes, ins, made in self.segments:
+            needed_later.update(ins)
+        self.segment_fns = []
+        for s, nodes, ins, made in self.segments:
+            outs = [t for t in sorted(made) if t in needed_later]
+            self.segment_fns.append((s, nodes, ins, outs, self._segment_fn(s, nodes, ins, outs)))
+        # Shardings of step inputs at home.
+        self.input_sharding = {t: self._home_sharding(t) for t in outer.inputs}
+        self.batch_inputs = {t for t, b in zip(fwd.inputs, parts.batch_inputs) if b}
+
+    def _param_spec(self, t_fwd: int) -> tuple[int, TensorSpec]:
+        s = self.param_home[t_fwd]
+        st = self.stages[s]
+        idx = st.prog.params.index(t_fwd)
+        return s, st.spec[st.prog.fb_params[idx]]
+
+    def _home_sharding(self, t_outer: int) -> NamedSharding:
+        outer = self.parts.outer.graph
+        s = self.home[t_outer]
+        st = self.stages[s]
+        node = outer.nodes[self.parts.grad_node]
+        fwd = self.parts.forward.graph
+        for t_f, t_o in zip(fwd.inputs, node.inputs):
+            if t_o == t_outer and t_f in self.param_home:
+                return st.sharding(self._param_spec(t_f)[1])
+        tensor = outer.tensors[t_outer]
+        # Optimizer state mirrors the parameters: the parameter of that stage whose path ends
+        # the leaf's path (mu/blocks/0/w ~ params/blocks/0/w) gives its sharding.
+        best = None
+        for t_f, t_o in zip(fwd.inputs, node.inputs):
+            if t_f not in self.param_home or self.param_home[t_f] != s or t_o is None:
+                continue
+            p = outer.tensors[t_o]
+            if p.shape != tensor.shape:
+                continue
+            suffix = p.name.split("/", 1)[-1]
+            if tensor.name.endswith(suffix):
+                return st.sharding(self._param_spec(t_f)[1])
+            best = best or t_f
+        return st.sharding(TensorSpec.replicated(len(tensor.shape))) if best is None \
+            else st.sharding(self._param_spec(best)[1])
+
+    def input_shardings(self, *args):
+        """The sharding each argument leaf should have, as a pytree shaped like `args`
+        (arrays or ShapeDtypeStructs); compiles nothing.
+
+        Parameters, optimizer state and other step inputs: at their home stage
+        (`input_sharding`), where a training loop gets them back from the previous step.
+        Batch leaves: on the first stage that reads them, split as that stage wants each
+        micro-batch (e.g. over its data-parallel axis); micro-batches are slices of the
+        leading dimension, so the whole batch divides the same way.
+        """
+        flat = []
+        for t in self.parts.outer.graph.inputs:
+            sharding = self.input_sharding[t]
+            t_f = self.fwd_of_outer.get(t)
+            if t_f in self.batch_inputs and t_f in self.readers:
+                st = self.stages[self.readers[t_f][0]]
+                sharding = st.act_in[st.prog.acts.index(t_f)]
+            flat.append(sharding)
+        return shardings_like(args, flat)
+
+    def _segment_fn(self, s, nodes, ins, outs):
+        outer = self.parts.outer
+        tied_out = {}
+        for o, tie in zip(outer.graph.outputs, outer.graph.output_ties):
+            if tie is not None:
+                tied_out[o] = tie
+
+        def run(*vals):
+            env = dict(zip(ins, vals))
+            replay(outer, nodes, env)
+            return [env[t] for t in outs]
+
+        shardings = []
+        for t in outs:
+            if t in tied_out:
+                shardings.append(self._home_sharding(outer.graph.inputs[tied_out[t]]))
+            else:
+                shardings.append(None)
+        return jax.jit(run, out_shardings=shardings)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def __call__(self, *args):
+        parts = self.parts
+        outer = parts.outer.graph
+        fwd = parts.forward.graph
+        flat = jax.tree_util.tree_leaves(args)
+        if len(flat) != len(outer.inputs):
+            raise PlanMismatchError(f"the step was planned for {len(outer.inputs)} argument "
+                                    f"leaves, got {len(flat)}")
+        value_of = dict(zip(outer.inputs, flat))
+        for t, v in parts.outer.consts.items():
+            value_of[t] = v
+        node = outer.nodes[parts.grad_node]
+        fwd_value = {t_f: (value_of[t_o] if t_o is not None else None)
+                     for t_f, t_o in zip(fwd.inputs, node.inputs)}
+        m = parts.num_micro_batches
+        S = len(self.stages)
+
+        # Parameters on every stage that reads them.
+        params = []
+        for st in self.stages:
+            params.append(place([fwd_value[t] for t in st.prog.params], st.param_in))
+
+        def micro(t: int, i: int):
+            x = fwd_value[t]
+            if t in self.batch_inputs:
+                b = x.shape[0] // m
+                return x[i * b:(i + 1) * b]
+            return x
+
+        acts_out: dict[tuple[int, int], Any] = {}     # (forward tensor, micro-batch) -> value
+        left = {(t, i): len(r) for t, r in self.readers.items() for i in range(m)}
+        saved: dict[tuple[int, int], tuple] = {}      # (stage, micro-batch) -> (acts, residuals)
+        cts: dict[tuple[int, int], list] = {}         # (forward tensor, micro-batch) -> parts
+        grads: list[Any] = [None] * S
+        losses = []
+        for kind, s, i in self.tasks:
+            st = self.stages[s]
+            prog = st.prog
+            if kind == "F":
+                acts = [micro(t, i) if t not in self.maker else acts_out[(t, i)]
+                        for t in prog.acts]
+                acts = place(acts, st.act_in)
+                for t in prog.acts:
+                    # Sent to every reader: the producer's copy can go.
+                    if t in self.maker:
+                        left[(t, i)] -= 1
+                        if not left[(t, i)]:
+                            del acts_out[(t, i)]
+                outs, res = st.forward(params[s], acts)
+                for t, v in zip(prog.outputs, outs):
+                    acts_out[(t, i)] = v
+                    if t == fwd.outputs[0]:
+                        losses.append(v)
+                saved[(s, i)] = (acts, res)
+            else:
+                acts, res = saved.pop((s, i))
+                ct_vals = []
+                for t, d in zip(prog.outputs, prog.diff_outputs):
+                    if not d:
+                        continue
+                    if t == fwd.outputs[0]:
+                        ct_vals.append(st.loss_cotangent(parts.loss_scale, fwd.tensors[t].dtype))
+                    else:
+                        pieces = cts.pop((t, i))
+                        total = pieces[0]
+                        for p in pieces[1:]:
+                            total = total + jax.device_put(p, total.sharding)
+                        ct_vals.append(total)
+                ct_vals = jax.device_put(ct_vals, st.ct_in)
+                g_params, g_acts = st.backward(params[s], acts, res, ct_vals)
+                grads[s] = g_params if grads[s] is None else st.accumulate(grads[s], g_params)
+                d_acts = [t for t, d in zip(prog.acts, prog.diff_acts) if d]
+                for t, g in zip(d_acts, g_acts):
+                    if t in self.maker:
+                        cts.setdefault((t, i), []).append(
+                            jax.device_put(g, self.stages[self.maker[t]].sharding(
+                                self._output_spec(t))))
+
+        # Stages that accumulate per device reduce once, now.
+        for s, st in enumerate(self.stages):
+            if st.reduce is not None:
+                grads[s] = st.reduce(grads[s])
+        # Gradients of parameters read by several stages meet at the parameter's home (the
+        # first stage that reads it, so it is met first).
+        grad_of: dict[int, Any] = {}
+        for s, st in enumerate(self.stages):
+            for t, g in zip(st.prog.params, grads[s]):
+                g = jax.device_put(g, self.grad_sharding[t])
+                grad_of[t] = g if t not in grad_of else grad_of[t] + g
+        loss = losses[0]
+        for x in losses[1:]:
+            loss = loss + x
+        loss = loss * np.asarray(parts.loss_scale, loss.dtype)
+
+        # The apply part.
+        env: dict[int, Any] = dict(value_of)
+        for k, t in enumerate(parts.grad_outputs()):
+            env[t] = grad_of[fwd.inputs[parts.call.grad_leaves[k]]]
+        env[parts.value_output()] = loss
+        for s, nodes, ins, outs, fn in self.segment_fns:
+            st = self.stages[s]
+            vals = []
+            for t in ins:
+                v = env[t]
+                if outer.producer(t) is None and self.home[t] == s:
+                    v = place(v, self.input_sharding[t])
+                elif _elsewhere(v, st.mesh):
+                    v = jax.device_put(v, st.replicated())
+                vals.append(v)
+            for t, v in zip(outs, fn(*vals)):
+                env[t] = v
+        results = [env[t] for t in outer.outputs]
+        if jax.process_count() > 1:
+            # The loss (and any other result that is not new state) lives on the last
+            # stage's devices; every process of a multi-process run gets a copy. New
+            # parameters and optimizer state stay at their stage, where the next step reads
+            # them.
+            results = [v if tie is not None else on_every_process(v)
+                       for v, tie in zip(results, outer.output_ties)]
+        return jax.tree_util.tree_unflatten(parts.outer.out_tree, results)
+
+    def _output_spec(self, t: int) -> TensorSpec:
+        st = self.stages[self.maker[t]]
+        return st.spec[st.prog.fb_outputs[st.prog.outputs.index(t)]]
+
+    def _param_sharding(self, t_fwd: int) -> NamedSharding:
+        s, spec = self._param_spec(t_fwd)
+        return self.stages[s].sharding(spec)
+
+    def _tasks(self, schedule, S: int, m: int) -> list[tuple[str, int, int]]:
+        """Every (kind, stage, micro-batch) in an order that respects the schedule on each
+        stage and the data dependencies between stages."""
+        orders = [[("F" if k.value == "forward" else "B", i)
+                   for k, i in stage_order(schedule, s, S, m)] for s in range(S)]
+        done: set[tuple[str, int, int]] = set()
+        pos = [0] * S
+        producers = [{self.maker[t] for t in st.prog.acts if t in self.maker}
+                     for st in self.stages]
+        consumers = [set() for _ in range(S)]
+        for s, ps in enumerate(producers):
+            for p in ps:
+                consumers[p].add(s)
+        out = []
+        while len(out) < 2 * S * m:
+            progressed = False
+            for s in range(S):
+                while pos[s] < len(orders[s]):
+                    kind, i = orders[s][pos[s]]
+                    deps = [("F", p, i) for p in producers[s]] if kind == "F" else \
+                        [("F", s, i)] + [("B", c, i) for c in consumers[s]]
+                    if not all(d in done for d in deps):
+                        break
+                    done.add((kind, s, i))
+                    out.append((kind, s, i))
+                    pos[s] += 1
+                    progressed = True
+            if not progressed:
+                raise RuntimeError("pipeline schedule deadlocked (a bug in alpa_lite)")
+        return out
+
+
+def _auto_spec(spec: TensorSpec, axes: tuple[str, ...]) -> PartitionSpec:
+    """The part of `spec` over the other axes, as a sharding constraint inside the body."""
+    return partition_spec(TensorSpec(tuple(tuple(a for a in d if a not in axes)
+                                           for d in spec.dims)))
+
+
+def _elsewhere(v, mesh: Mesh) -> bool:
+    """True when `v` is a jax.Array not on exactly the devices of `mesh`."""
+    if not isinstance(v, jax.Array):
+        return True
+    return set(v.sharding.device_set) != set(mesh.devices.flat)

@@ -1,0 +1,134 @@
+"""The runtime: executes a `StagePlan` on JAX devices.
+
+The traced program is replayed equation by equation inside one `jax.jit` over the stage's
+`Mesh`: arguments and results carry the plan's `NamedSharding`s, every operator result is
+pinned with `with_sharding_constraint` to the plan's spec, and an operand the plan reshards
+before an operator is pinned to the spec the operator wants. The partitioner (Shardy) then
+inserts exactly the collectives those specs imply. The runtime knows nothing of how the plan
+was found.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from alpa_lite.runtime.distributed import place
+from alpa_lite.errors import PlanMismatchError
+from alpa_lite.plan import Plan, StagePlan
+from alpa_lite.plan.sharding import TensorSpec
+from alpa_lite.ir.tracing import TracedStep
+
+
+def partition_spec(spec: TensorSpec) -> PartitionSpec:
+    return PartitionSpec(*[None if not d else d[0] if len(d) == 1 else tuple(d)
+                           for d in spec.dims])
+
+
+def stage_mesh(stage: StagePlan, devices: Sequence[Any]) -> Mesh:
+    """The `Mesh` of a stage: its cluster device indices, laid row-major over its shape."""
+    picked = [devices[i] for i in stage.devices]
+    return Mesh(np.array(picked, dtype=object).reshape(stage.mesh_shape), stage.axis_names)
+
+
+def named_sharding(mesh: Mesh, spec: TensorSpec) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(spec))
+
+
+class StageExecutable:
+    """One compiled SPMD stage: call it with the flattened argument leaves."""
+
+    def __init__(self, traced: TracedStep, stage: StagePlan, devices: Sequence[Any]):
+        self.traced = traced
+        self.stage = stage
+        self.mesh = stage_mesh(stage, devices)
+        ns = lambda spec: named_sharding(self.mesh, spec)
+        self.in_shardings = tuple(ns(s) for s in stage.input_specs)
+        self.out_shardings = tuple(ns(s) for s in stage.output_specs)
+        self._tensor = {t: ns(s) for t, s in stage.tensor_specs if s.rank}
+        self._operand = {(n, p): ns(s) for n, p, s in stage.operand_specs if s.rank}
+        self._jitted = jax.jit(self._replay, in_shardings=self.in_shardings,
+                               out_shardings=self.out_shardings)
+        self._compiled: dict[tuple, Any] = {}
+
+    def _replay(self, *flat_args):
+        tr = self.traced
+        g = tr.graph
+        wsc = jax.lax.with_sharding_constraint
+        env: dict[int, Any] = dict(zip(g.inputs, flat_args))
+        env.update(tr.consts)
+        for node, prim in zip(g.nodes, tr.primitives):
+            # The scope names the graph node in the HLO metadata, to trace a collective
+            # back to the plan.
+            with jax.named_scope(node.name):
+                args = []
+                for pos, t in enumerate(node.inputs):
+                    x = tr.literals[(node.id, pos)] if t is None else env[t]
+                    s = self._operand.get((node.id, pos))
+                    args.append(x if s is None else wsc(x, s))
+                outs = prim.bind(*args, **prim.get_bind_params(dict(node.params)))
+                if not prim.multiple_results:
+                    outs = [outs]
+                for t, o in zip(node.outputs, outs):
+                    s = self._tensor.get(t)
+                    env[t] = o if s is None else wsc(o, s)
+        return tuple(env[t] for t in g.outputs)
+
+    def put_args(self, flat_args: Sequence[Any]) -> list[Any]:
+        # One batched call: arrays already placed as the plan wants are passed through.
+        return place(list(flat_args), list(self.in_shardings))
+
+    def compiled(self, flat_args: Sequence[Any]):
+        """The compiled program for these argument shapes (compiled once, then reused)."""
+        key = tuple((np.shape(x), str(x.dtype)) for x in flat_args)
+        if key not in self._compiled:
+            avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+                     for x, s in zip(flat_args, self.in_shardings)]
+            self._compiled[key] = self._jitted.lower(*avals).compile()
+        return self._compiled[key]
+
+    def __call__(self, flat_args: Sequence[Any]) -> tuple[Any, ...]:
+        return self.compiled(flat_args)(*self.put_args(flat_args))
+
+    def compiled_text(self, flat_args: Sequence[Any]) -> str:
+        """The partitioned HLO XLA compiled for these arguments (abstract ones work)."""
+        return self.compiled(flat_args).as_text()
+
+
+class Executable:
+    """A plan made runnable: call with the step's positional arguments."""
+
+    def __init__(self, traced: TracedStep, plan: Plan, devices: Sequence[Any]):
+        if len(plan.stages) != 1 or plan.pipeline is not None:
+            raise ValueError(
+                f"this is a pipelined plan ({len(plan.stages)} stage(s), {plan.schedule}); "
+                "it runs with alpa_lite.runtime.pipeline.PipelineExecutable")
+        self.traced = traced
+        self.plan = plan
+        self.stage = StageExecutable(traced, plan.stages[0], devices)
+
+    def __call__(self, *args):
+        flat = jax.tree_util.tree_leaves(args)
+        outs = self.stage(flat)
+        return jax.tree_util.tree_unflatten(self.traced.out_tree, outs)
+
+    def compiled_text(self, *args) -> str:
+        return self.stage.compiled_text(jax.tree_util.tree_leaves(args))
+
+    def input_shardings(self, *args):
+        """The sharding the plan wants for each argument leaf (the stage's `in_shardings`),
+        as a pytree shaped like `args` (arrays or ShapeDtypeStructs); compiles nothing."""
+        return shardings_like(args, self.stage.in_shardings)
+
+
+def shardings_like(args, flat_shardings: Sequence[Any]):
+    """`flat_shardings` (one per leaf of `args`) as a pytree shaped like `args`."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    if len(leaves) != len(flat_shardings):
+        raise PlanMismatchError(f"the step was planned for {len(flat_shardings)} argument "
+                                f"leaves, got {len(leaves)}; pass the arguments it was "
+                                "built for")
+    return jax.tree_util.tree_unflatten(treedef, list(flat_shardings))
