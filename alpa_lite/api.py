@@ -141,11 +141,15 @@ class ParallelizedStep:
     def _make_plan(self, args, traced: TracedStep, cluster: Cluster, pipelined: bool,
                    progress: Progress | None) -> Plan:
         names = {t.id: t.name for t in traced.graph.tensors if t.role is not Role.ACTIVATION}
-        if pipelined:
-            return make_pipeline_plan(self.parts(*args), self.method, cluster,
-                                      traced.fingerprint, traced.input_avals, names,
-                                      progress=progress)
         if self.compression is not None:
+            if pipelined:
+                # Compressed exchange runs on a data-parallel plan only (for now): refuse
+                # rather than run the pipeline uncompressed.
+                raise PlanningError(
+                    f"compression={self.compression!r} with the pipelined method "
+                    f"{self.method!r}: gradient compression runs on data-parallel plans "
+                    "(al.DataParallel() or al.Auto() without num_micro_batches); drop the "
+                    "pipeline or the compression")
             # Workers are to the batch what micro-batches are: the same check proves
             # the loss combines exactly (a mean or a sum over examples).
             try:
@@ -158,6 +162,10 @@ class ParallelizedStep:
                     f"micro-batches, and this step cannot be split so: {e}") from None
             return make_compressed_plan(traced, self.method, cluster, self.compression,
                                         workers.loss_scale, names)
+        if pipelined:
+            return make_pipeline_plan(self.parts(*args), self.method, cluster,
+                                      traced.fingerprint, traced.input_avals, names,
+                                      progress=progress)
         return make_plan(traced, self.method, cluster, tensor_names=names, progress=progress)
 
     def executable(self, *args) -> Executable:

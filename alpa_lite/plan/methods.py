@@ -146,3 +146,49 @@ class DataParallel:
 
 
 Method = Auto | Manual | DataParallel
+
+
+METHOD_KINDS = {"Auto": Auto, "Manual": Manual, "DataParallel": DataParallel}
+
+
+def describe(method: Method) -> str:
+    """The method as a user would write it, without its default arguments:
+    "Auto(num_micro_batches=4)", "Manual(dp=2, tp=4)"."""
+    kept = []
+    for f in dataclasses.fields(method):
+        v = getattr(method, f.name)
+        if v != f.default:
+            kept.append(f"{f.name}={v.value if isinstance(v, enum.Enum) else v!r}")
+    return f"{type(method).__name__}({', '.join(kept)})"
+
+
+def method_to_json(method: Method) -> dict:
+    """The method as a JSON object: its kind and every field (enums by value, tuples as
+    lists)."""
+    def plain(v):
+        if isinstance(v, enum.Enum):
+            return v.value
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        return v
+    return {"kind": type(method).__name__} | {f.name: plain(getattr(method, f.name))
+                                              for f in dataclasses.fields(method)}
+
+
+def method_from_json(obj: dict) -> Method:
+    """The inverse of `method_to_json`; raises ValueError on an unknown kind or field."""
+    if not isinstance(obj, dict) or obj.get("kind") not in METHOD_KINDS:
+        raise ValueError(f"a method must be an object with kind in {sorted(METHOD_KINDS)}, "
+                         f"got {obj!r}")
+    cls = METHOD_KINDS[obj["kind"]]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    extra = set(obj) - fields - {"kind"}
+    if extra:
+        raise ValueError(f"method {obj['kind']}: unknown fields {sorted(extra)}")
+
+    def nested(v):
+        return tuple(nested(x) for x in v) if isinstance(v, list) else v
+    kw = {k: nested(v) for k, v in obj.items() if k != "kind"}
+    if "solver" in kw:
+        kw["solver"] = SolverChoice(kw["solver"])
+    return cls(**kw)

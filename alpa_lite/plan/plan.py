@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 from alpa_lite.errors import PlanMismatchError
+from alpa_lite.plan.methods import Method, method_from_json, method_to_json
 from alpa_lite.plan.sharding import TensorSpec
 
 PLAN_FORMAT = "alpa_lite.plan/4"
@@ -213,7 +214,7 @@ class PlanningStats:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A complete parallelization plan for one program on one cluster."""
-    method: str
+    method: Method                  # what the user asked for (compression: `compression`)
     cluster_name: str
     cluster_fingerprint: str
     program_fingerprint: str
@@ -435,7 +436,7 @@ def _explanation_from_obj(o) -> Explanation:
 def _plan_to_obj(p: Plan) -> dict[str, Any]:
     obj = {
         "format": PLAN_FORMAT,
-        "method": p.method,
+        "method": method_to_json(p.method),
         "cluster_name": p.cluster_name,
         "cluster_fingerprint": p.cluster_fingerprint,
         "program_fingerprint": p.program_fingerprint,
@@ -473,7 +474,7 @@ def _plan_from_obj(o: dict[str, Any]) -> Plan:
         raise ValueError(f"unexpected keys {sorted(set(o) - expected)}, missing "
                          f"{sorted(expected - set(o))}")
     return Plan(
-        method=str(o["method"]), cluster_name=str(o["cluster_name"]),
+        method=method_from_json(o["method"]), cluster_name=str(o["cluster_name"]),
         cluster_fingerprint=str(o["cluster_fingerprint"]),
         program_fingerprint=str(o["program_fingerprint"]),
         input_signature=tuple((tuple(int(d) for d in s), str(t)) for s, t in o["input_signature"]),

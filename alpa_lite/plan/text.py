@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from alpa_lite.plan.methods import describe
+
 
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -29,7 +31,7 @@ def plan_summary(plan, max_rows: int = 40) -> str:
     """Renders the plan: header, per stage the sharding table and the collectives."""
     buf = io.StringIO()
     console = Console(file=buf, width=110, force_terminal=False, color_system=None)
-    console.print(f"alpa_lite plan  method={plan.method}  cluster={plan.cluster_name}")
+    console.print(f"alpa_lite plan  method={describe(plan.method)}  cluster={plan.cluster_name}")
     if plan.compression is not None:
         c = plan.compression
         where = (f"between {c.num_workers} nodes, full precision inside each node"
@@ -73,6 +75,8 @@ def plan_summary(plan, max_rows: int = 40) -> str:
         console.print(stages)
     if plan.unsharded_primitives:
         console.print("replicated (no sharding rule): " + ", ".join(plan.unsharded_primitives))
+    if plan.gradient_sync:
+        console.print(gradient_sync_table(plan))
     for i, st in enumerate(plan.stages):
         mesh = " x ".join(f"{n}={s}" for n, s in zip(st.axis_names, st.mesh_shape))
         console.print(f"\nstage {i}: devices {st.devices[0]}..{st.devices[-1]}  mesh {mesh}")
@@ -94,3 +98,25 @@ def plan_summary(plan, max_rows: int = 40) -> str:
             coll.add_row("(none)", "", "", "", "")
         console.print(coll)
     return buf.getvalue()
+
+
+def gradient_sync_table(plan) -> Table:
+    """Gradient sync, one row per stage and way of syncing: how many parameters, where
+    they accumulate, over which axes they are reduced, with which collective and
+    compressor, how often per step."""
+    rows: dict[tuple, list] = {}
+    for g in plan.gradient_sync:
+        key = (g.stage, g.accumulation.value, ",".join(g.axes) or "-", g.collective.value,
+               g.compressor or "-", g.count)
+        entry = rows.setdefault(key, [0, 0, 0.0])
+        entry[0] += 1
+        entry[1] += g.nbytes
+        entry[2] += g.time_s
+    table = Table(title="gradient sync", show_edge=False)
+    for col in ("stage", "params", "accumulated", "axes", "collective", "compressor",
+                "bytes/device", "per step", "time"):
+        table.add_column(col)
+    for (stage, acc, axes, kind, comp, count), (n, nbytes, t) in sorted(rows.items()):
+        table.add_row(str(stage), str(n), acc, axes, kind, escape(comp), fmt_bytes(nbytes),
+                      f"{count}x", fmt_time(t) if t else "-")
+    return table

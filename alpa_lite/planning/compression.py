@@ -32,6 +32,7 @@ from alpa_lite.cost_models.gradient_sync import (GradientLeaf, exchange_layout, 
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import Role
 from alpa_lite.plan.methods import Auto, DataParallel, Manual
+from alpa_lite.plan import Accumulation, GradientSync, SyncCollective
 from alpa_lite.plan import CompressionSpec, Plan
 from alpa_lite.planning.spmd import make_plan
 from alpa_lite.plan.sharding import itemsize
@@ -146,7 +147,16 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
         sync_s=max(step - compute - sync.compress_s, 0.0) if delay else sync.total_s,
         dense_sync_s=dense.total_s, compute_s=compute, step_time_s=step,
         uncompressed_step_time_s=step_time(compute, dense), candidates=candidates)
-    stage = dp_plan.stages[0]
-    return dataclasses.replace(dp_plan, method=f"{method!r} + {option!r}",
-                               stages=(dataclasses.replace(stage, peak_memory_bytes=memory),),
-                               compression=spec)
+    # What runs: the step per worker, no collective of the data-parallel plan; each
+    # gradient leaves through the exchange once per step.
+    stage = dataclasses.replace(dp_plan.stages[0], peak_memory_bytes=memory, collectives=(),
+                                comm_s=spec.sync_s, total_s=step)
+    total = sum(leaf.numel * leaf.itemsize for leaf in leaves) or 1
+    grads = traced.graph.tensors_with_role(Role.GRAD)
+    names = tensor_names or {}
+    records = tuple(GradientSync(
+        param=names.get(t.id, t.name), stage=0, accumulation=Accumulation.SINGLE,
+        axes=(axis,), collective=SyncCollective.COMPRESSED, compressor=_label(option),
+        nbytes=int(t.nbytes), count=1, time_s=spec.sync_s * t.nbytes / total) for t in grads)
+    return dataclasses.replace(dp_plan, method=method, stages=(stage,),
+                               compression=spec, gradient_sync=records)

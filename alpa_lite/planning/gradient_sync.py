@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Mapping
 
-from alpa_lite.cost_models.cluster import Cluster
+from alpa_lite.cost_models.cluster import Cluster, CollectiveKind
 from alpa_lite.errors import PlanningError
+from alpa_lite.ir.graph import OpGraph, Role
 from alpa_lite.ir.step_parts import StageProgram, StepParts, local_forward, stage_program
 from alpa_lite.plan import Accumulation, GradientSync, StagePlan, SyncCollective
 from alpa_lite.plan.sharding import CommModel, LogicalMesh, TensorSpec
@@ -154,3 +156,45 @@ def stage_sync(parts: StepParts, prog: StageProgram, result: StageResult, stage:
         compressor=None, nbytes=nbytes(g), count=m if axes else 0, time_s=0.0)
         for p, g in grads)
     return StageSync(stage, records, 0.0)
+
+
+# Operators a gradient passes through unchanged in kind after its partial sums are formed
+# (a reduction XLA runs at their input is the gradient's own reduction).
+_PASS_THROUGH = frozenset({"add", "add_any", "convert_element_type", "transpose", "reshape",
+                           "copy", "copy_p", "squeeze", "broadcast_in_dim", "reduce_sum"})
+
+
+def single_stage_sync(graph: OpGraph, result: StageResult, mesh: LogicalMesh,
+                      names: Mapping[int, str]) -> tuple[GradientSync, ...]:
+    """One record per gradient of a single-stage plan: the reductions the plan runs where
+    the gradient is formed (its producer, and the pass-through operators feeding only it)."""
+    by_node = dict(result.node_collectives)
+    spec = dict(result.stage.tensor_specs)
+    records = []
+    for t in graph.tensors_with_role(Role.GRAD):
+        found, stack, seen = [], [graph.producer(t.id)], set()
+        while stack:
+            n = stack.pop()
+            if n is None or n in seen:
+                continue
+            seen.add(n)
+            found += [c for c in by_node.get(n, ())
+                      if c.kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)]
+            node = graph.nodes[n]
+            if node.primitive in _PASS_THROUGH or n == graph.producer(t.id):
+                for u in node.inputs:
+                    if u is not None and len(graph.consumers(u)) == 1:
+                        stack.append(graph.producer(u))
+        axes = tuple(a for a in mesh.axis_names if any(a in c.axes for c in found))
+        kind = SyncCollective.NONE
+        if found:
+            kind = SyncCollective.REDUCE_SCATTER if any(
+                c.kind is CollectiveKind.REDUCE_SCATTER for c in found) \
+                else SyncCollective.ALL_REDUCE
+        s = spec.get(t.id, TensorSpec.replicated(len(t.shape)))
+        records.append(GradientSync(
+            param=names.get(t.id, t.name), stage=0, accumulation=Accumulation.SINGLE,
+            axes=axes, collective=kind, compressor=None,
+            nbytes=int(t.nbytes // s.num_shards(mesh)), count=1 if found else 0,
+            time_s=float(sum(c.time_s for c in found))))
+    return tuple(records)

@@ -429,7 +429,7 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         dp_s=dp_stats.solve_time_s if dp_stats else 0.0,
         dp_t_max_tried=dp_stats.t_max_tried if dp_stats else 0,
         dp_cost_queries=dp_stats.cost_queries if dp_stats else 0)
-    return Plan(method=repr(method), cluster_name=cluster.name,
+    return Plan(method=method, cluster_name=cluster.name,
                 cluster_fingerprint=cluster.fingerprint(), program_fingerprint=traced_fingerprint,
                 input_signature=input_signature, stages=tuple(stages),
                 unsharded_primitives=unsharded, pipeline=spec, stats=stats,

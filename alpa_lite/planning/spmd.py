@@ -20,6 +20,7 @@ from typing import Mapping
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import OpGraph, Role, Tensor
+from alpa_lite.planning.gradient_sync import single_stage_sync
 from alpa_lite.planning.intra_op import StageResult, plan_stage
 from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, SolverChoice
 from alpa_lite.ir.batch import batch_dims
@@ -258,7 +259,7 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
     else:
         raise TypeError(f"method must be al.Auto(), al.Manual(...) or al.DataParallel(), "
                         f"got {method!r}")
-    _, best = min(results, key=lambda r: (round(r[1].stage.total_s, 12), r[0].shape))
+    best_mesh, best = min(results, key=lambda r: (round(r[1].stage.total_s, 12), r[0].shape))
     if best.unsharded_primitives:
         warnings.warn(f"no sharding rule for {', '.join(best.unsharded_primitives)}: these "
                       "operators run replicated on every device (correct, but not split)",
@@ -280,11 +281,12 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
         alts += [Alternative("mesh", 0, f"mesh {tuple(shape)}: no plan fits", 0.0, 0.0, False)
                  for shape in shapes if tuple(shape) not in {m.shape for m, _ in results}]
         explanation = Explanation(alternatives=tuple(alts))
-    return Plan(method=repr(method), cluster_name=cluster.name,
+    return Plan(method=method, cluster_name=cluster.name,
                 cluster_fingerprint=cluster.fingerprint(),
                 program_fingerprint=traced.fingerprint, input_signature=traced.input_avals,
                 stages=(best.stage,), unsharded_primitives=best.unsharded_primitives,
-                stats=stats, explanation=explanation)
+                stats=stats, explanation=explanation,
+                gradient_sync=single_stage_sync(graph, best, best_mesh, tensor_names or {}))
 
 
 def replace_stats(plan: Plan, **kw) -> Plan:

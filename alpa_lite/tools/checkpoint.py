@@ -51,6 +51,7 @@ from jax.sharding import Sharding
 from alpa_lite.api import ParallelizedStep
 from alpa_lite.runtime.compressed import CompressedExecutable
 from alpa_lite.errors import CheckpointMismatchError
+from alpa_lite.plan.methods import describe
 
 FORMAT = "alpa_lite.tools.checkpoint/1"
 """The format tag in every checkpoint's metadata; bumped when the layout changes."""
@@ -390,7 +391,7 @@ def _plans(step: ParallelizedStep | None) -> list[dict]:
     out = []
     for plan in step.built_plans:
         text = plan.to_json()
-        out.append({"method": plan.method, "cluster": plan.cluster_name,
+        out.append({"method": describe(plan.method), "cluster": plan.cluster_name,
                     "fingerprint": hashlib.sha256(text.encode()).hexdigest()[:16],
                     "plan": json.loads(text)})
     return out

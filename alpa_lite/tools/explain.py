@@ -33,7 +33,7 @@ from alpa_lite.api import ParallelizedStep
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.ir.graph import Role
 from alpa_lite.planning.intra_op import BuiltStage, plan_stage
-from alpa_lite.plan.methods import Auto, Manual
+from alpa_lite.plan.methods import Auto, DataParallel, Manual
 from alpa_lite.planning.pipeline import forward_names, layer_node_ranges, PipelinePlanner
 from alpa_lite.ir.step_parts import split_step
 from alpa_lite.plan import Plan, StagePlan
@@ -74,7 +74,7 @@ def stage_text(plan: Plan, stage: int | None = None) -> str:
     console = _console(buf)
     if stage is not None and not 0 <= stage < len(plan.stages):
         raise ValueError(f"--stage {stage}: the plan has stages 0..{len(plan.stages) - 1}")
-    console.print(f"plan: {plan.method.split('(')[0]} on {plan.cluster_name}, "
+    console.print(f"plan: {type(plan.method).__name__} on {plan.cluster_name}, "
                   f"{len(plan.stages)} stage(s), estimated step {fmt_time(plan.step_time_s)}")
     for s, st in enumerate(plan.stages):
         if stage is not None and s != stage:
@@ -86,7 +86,7 @@ def stage_text(plan: Plan, stage: int | None = None) -> str:
     alts = plan.explanation.alternatives if plan.explanation is not None else ()
     if not alts:
         why = ("the method fixed the layout (Manual / DataParallel): there were no "
-               "alternatives to weigh" if not plan.method.startswith("Auto") else
+               "alternatives to weigh" if not isinstance(plan.method, Auto) else
                "this plan records no alternatives (made without them, e.g. by an older "
                "alpa_lite)")
         console.print(f"\nno alternatives recorded: {why}. `--op NAME` still explains an "
@@ -171,8 +171,9 @@ def rebuild_stage(plan: Plan, step_fn, args, cluster: Cluster, stage: int = 0,
         mesh = LogicalMesh(tuple(st.mesh_shape), tuple(st.axis_names))
         if manual:
             dp, tp = st.mesh_shape
-            pin, node_pin = manual_pins(graph, dp, tp, "shard_optimizer_state=True" in plan.method,
-                                         split_batch=plan.method.startswith("DataParallel"))
+            pin, node_pin = manual_pins(graph, dp, tp,
+                                        getattr(plan.method, "shard_optimizer_state", False),
+                                        split_batch=isinstance(plan.method, DataParallel))
             return plan_stage(graph, mesh, cluster, pin=pin, node_pin=node_pin,
                               memory_budget_bytes=None, tensor_names=names, solve=False)
         return plan_stage(graph, mesh, cluster, memory_budget_bytes=cluster.device.memory_bytes,

@@ -24,7 +24,8 @@ import pathlib
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.cost_models.pipeline_schedule import TaskKind
 from alpa_lite.plan import Plan
-from alpa_lite.tools.report import short_method, simulate_plan, step_breakdown
+from alpa_lite.plan.methods import describe
+from alpa_lite.tools.report import simulate_plan, step_breakdown
 
 KIND_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "recompute": "#8172b3",
                 "transfer": "#55a868", "update": "#937860", "compute": "#4c72b0"}
@@ -253,7 +254,7 @@ def figure(plan: Plan, cluster: Cluster | None = None,
             draw_mesh(plan, ax, cluster)
         else:
             draw_breakdown(plan, ax)
-    fig.suptitle(f"alpa_lite plan: {short_method(plan.method)} on {plan.cluster_name}, "
+    fig.suptitle(f"alpa_lite plan: {describe(plan.method)} on {plan.cluster_name}, "
                  f"estimated step {plan.step_time_s * 1e3:.4g} ms", fontsize=11)
     return fig
 

@@ -18,6 +18,7 @@ from rich.table import Table
 from alpa_lite.cost_models.pipeline_schedule import (ScheduleResult, StageTiming,
                                                      schedule_from_name, simulate)
 from alpa_lite.plan import Plan
+from alpa_lite.plan.methods import describe
 from alpa_lite.plan.text import fmt_bytes, fmt_time
 
 
@@ -141,34 +142,12 @@ def show_text(plan: Plan, max_rows: int = 40) -> str:
     return plan.summary(max_rows=max_rows) + breakdown_text(plan)
 
 
-_DEFAULTS = {"solver=<SolverChoice.HIGHS: 'highs'>", "time_limit_s=60.0", "schedule='1f1b'",
-             "remat=False", "shard_optimizer_state=False"}
-
-
-def short_method(method: str) -> str:
-    """A plan's method without its default arguments: "Auto(num_micro_batches=4)"."""
-    name, _, rest = method.partition("(")
-    args, depth, cur = [], 0, ""
-    for ch in rest[:-1] if rest.endswith(")") else rest:
-        depth += ch in "([{<"
-        depth -= ch in ")]}>"
-        if ch == "," and depth == 0:
-            args.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        args.append(cur.strip())
-    kept = [a for a in args if a not in _DEFAULTS and not a.endswith("=None")]
-    return f"{name}({', '.join(kept)})"
-
-
 def brief_text(plan: Plan) -> str:
     """A few lines: method, estimate, memory and the stages (what `alpa-lite plan` prints;
     `show` prints everything)."""
     buf = io.StringIO()
     console = Console(file=buf, width=150, force_terminal=False, color_system=None)
-    console.print(f"method {short_method(plan.method)}")
+    console.print(f"method {describe(plan.method)}")
     console.print(f"estimated step {fmt_time(plan.step_time_s)}; peak memory "
                   f"{fmt_bytes(plan.peak_memory_bytes)} per device; {plan.schedule}")
     table = Table(show_edge=False)
