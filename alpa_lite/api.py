@@ -27,11 +27,10 @@ from alpa_lite.ir.graph import Role
 from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method
 from alpa_lite.planning.pipeline import make_pipeline_plan
 from alpa_lite.ir.step_parts import StepParts, split_step
-from alpa_lite.runtime.pipeline import PipelineExecutable
 from alpa_lite.plan import Plan
 from alpa_lite.planning.spmd import make_plan, replace_stats
 from alpa_lite.progress import TRACE, Progress, report
-from alpa_lite.runtime.spmd import Executable
+from alpa_lite.runtime.executable import Executable, StepProgram, compile_plan
 from alpa_lite.ir.tracing import TracedStep, trace
 
 
@@ -183,16 +182,23 @@ class ParallelizedStep:
         key = self._signature(args)
         if key not in self._executables:
             plan = self.plan(*args, cluster=cluster)
-            if plan.pipeline is not None:
-                self._executables[key] = PipelineExecutable(self.parts(*args), plan,
-                                                            jax.devices())
-            elif plan.compression is not None:
-                self._executables[key] = CompressedExecutable(
-                    self.fn, self.trace(*args), plan, jax.devices(),
-                    self._batch_argnums(len(args)), self.on_nonfinite, self.compression_seed)
-            else:
-                self._executables[key] = Executable(self.trace(*args), plan, jax.devices())
+            self._executables[key] = compile_plan(plan, self.program(plan, *args),
+                                                  jax.devices())
         return self._executables[key]
+
+    def program(self, plan: Plan, *args) -> StepProgram:
+        """What the runtime needs of this step to run `plan` on these arguments."""
+        nums = self._batch_argnums(len(args))
+        common = dict(fn=self.fn, batch_argnums=nums, on_nonfinite=self.on_nonfinite,
+                      compression_seed=self.compression_seed)
+        if plan.pipeline is not None:
+            return StepProgram(parts=self.parts(*args), **common)
+        return StepProgram(traced=self.trace(*args), **common)
+
+    def compile(self, *args) -> Executable:
+        """Plans (once) and compiles the step for these arguments on the local devices:
+        the executable `__call__` runs; `.collectives(*args)` lists what it executes."""
+        return self.executable(*args)
 
     def input_shardings(self, *args):
         """The `jax.sharding.Sharding` the plan wants for each argument leaf, as a pytree

@@ -44,6 +44,7 @@ from alpa_lite.runtime.distributed import place
 from alpa_lite.errors import NonFiniteGradientError
 from alpa_lite.ir.markers import GradientHook, gradient_hook
 from alpa_lite.plan import Plan
+from alpa_lite.runtime.hlo import CompiledCollective, compiled_collectives
 from alpa_lite.runtime.spmd import shardings_like
 from alpa_lite.ir.tracing import TracedStep
 
@@ -384,6 +385,10 @@ class CompressedExecutable:
         program, _, placed = self._prepare(args)
         shared_key = jax.random.fold_in(self.base_key, self.step)
         return program.lower(self._state, shared_key, *placed).compile().as_text()
+
+    def collectives(self, *args) -> tuple[CompiledCollective, ...]:
+        """What the next call runs, from its compiled program."""
+        return compiled_collectives(self.hlo(*args), "step")
 
     def __call__(self, *args):
         flat = jax.tree.leaves(args)

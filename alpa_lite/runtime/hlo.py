@@ -83,3 +83,22 @@ def bytes_by_kind(collectives) -> dict[str, int]:
     for c in collectives:
         out[c.kind] = out.get(c.kind, 0) + c.nbytes
     return dict(sorted(out.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledCollective:
+    """Collectives of one kind and size in one compiled program, and how many times one
+    step runs them (`count` = ops in the program x runs of the program per step)."""
+    program: str         # e.g. "step", "stage 0 backward"
+    kind: str
+    nbytes: int          # per device, per op
+    count: int
+
+
+def compiled_collectives(hlo_text: str, program: str, runs: int = 1
+                         ) -> tuple[CompiledCollective, ...]:
+    """The collectives of `hlo_text`, grouped by kind and size, counted `runs` times."""
+    groups: dict[tuple[str, int], int] = {}
+    for c in collectives_in_hlo(hlo_text):
+        groups[(c.kind, c.nbytes)] = groups.get((c.kind, c.nbytes), 0) + runs
+    return tuple(CompiledCollective(program, k, n, cnt) for (k, n), cnt in sorted(groups.items()))

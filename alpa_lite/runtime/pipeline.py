@@ -34,6 +34,7 @@ from alpa_lite.ir.step_parts import (StageProgram, StepParts, local_forward, rep
 from alpa_lite.plan import Plan, StagePlan
 from alpa_lite.runtime.spmd import named_sharding, partition_spec, shardings_like, stage_mesh
 from alpa_lite.plan.sharding import TensorSpec
+from alpa_lite.runtime.hlo import CompiledCollective, compiled_collectives
 
 
 class _Stage:
@@ -102,7 +103,7 @@ class _Stage:
                                     out_shardings=(self.grad_out, self.act_grad_out))
             self.reduce = None
         else:
-            replicas = math.prod(self.mesh.shape[a] for a in self.axes)
+            replicas = self.replicas = math.prod(self.mesh.shape[a] for a in self.axes)
             local = stage_program(local_forward(parts, replicas)[0], prog.start, prog.stop)
             lfb = local.fb.graph
             auto = lambda s: _auto_spec(s, self.axes)         # noqa: E731
@@ -336,6 +337,35 @@ class PipelineExecutable:
                 sharding = st.act_in[st.prog.acts.index(t_f)]
             flat.append(sharding)
         return shardings_like(args, flat)
+
+    def collectives(self, *args) -> tuple[CompiledCollective, ...]:
+        """What one step runs, from the compiled stage programs: each stage's forward and
+        backward once per micro-batch, its gradient reduction once (the optimizer update's
+        segments are not listed)."""
+        m = self.parts.num_micro_batches
+        out: list[CompiledCollective] = []
+        for s, st in enumerate(self.stages):
+            prog, fb = st.prog, st.prog.fb.graph
+
+            def avals(ids, shardings):
+                return [jax.ShapeDtypeStruct(fb.tensors[t].shape, np.dtype(fb.tensors[t].dtype),
+                                             sharding=sh) for t, sh in zip(ids, shardings)]
+            params = avals(prog.fb_params, st.param_in)
+            acts = avals(prog.fb_acts, st.act_in)
+            res = [] if st.plan.remat else avals(prog.residuals, st.res)
+            cts = avals(prog.fb_cts, st.ct_in)
+            out += compiled_collectives(st.forward.lower(params, acts).compile().as_text(),
+                                        f"stage {s} forward", m)
+            out += compiled_collectives(
+                st.backward.lower(params, acts, res, cts).compile().as_text(),
+                f"stage {s} backward", m)
+            if st.reduce is not None:
+                stacked = [jax.ShapeDtypeStruct((st.replicas,) + tuple(fb.tensors[t].shape),
+                                                np.dtype(fb.tensors[t].dtype), sharding=sh)
+                           for t, sh in zip(prog.fb_param_grads, st.grad_stacked)]
+                out += compiled_collectives(st.reduce.lower(stacked).compile().as_text(),
+                                            f"stage {s} gradient reduction")
+        return tuple(out)
 
     def _segment_fn(self, s, nodes, ins, outs):
         outer = self.parts.outer

@@ -20,6 +20,7 @@ from alpa_lite.runtime.distributed import place
 from alpa_lite.errors import PlanMismatchError
 from alpa_lite.plan import Plan, StagePlan
 from alpa_lite.plan.sharding import TensorSpec
+from alpa_lite.runtime.hlo import CompiledCollective, compiled_collectives
 from alpa_lite.ir.tracing import TracedStep
 
 
@@ -98,7 +99,7 @@ class StageExecutable:
         return self.compiled(flat_args).as_text()
 
 
-class Executable:
+class SpmdExecutable:
     """A plan made runnable: call with the step's positional arguments."""
 
     def __init__(self, traced: TracedStep, plan: Plan, devices: Sequence[Any]):
@@ -117,6 +118,10 @@ class Executable:
 
     def compiled_text(self, *args) -> str:
         return self.stage.compiled_text(jax.tree_util.tree_leaves(args))
+
+    def collectives(self, *args) -> tuple[CompiledCollective, ...]:
+        """What one call runs, from the compiled program (arguments may be abstract)."""
+        return compiled_collectives(self.compiled_text(*args), "step")
 
     def input_shardings(self, *args):
         """The sharding the plan wants for each argument leaf (the stage's `in_shardings`),
