@@ -142,10 +142,14 @@ def stage_sync(parts: StepParts, prog: StageProgram, result: StageResult, stage:
             accumulation=Accumulation.LOCAL, axes=axes, collective=SyncCollective.ALL_REDUCE,
             compressor=None, nbytes=nbytes(g), count=1,
             time_s=reduce_s * nbytes(g) / total if total else 0.0) for p, g in grads)
+        # The stage's forward/backward split is by FLOPs; what the split gave the backward
+        # may be less than its collectives: the rest comes off the forward's share.
+        backward = stage.backward_s - dropped
+        forward = stage.forward_s + min(backward, 0.0)
         new = dataclasses.replace(
             stage, collectives=collective_summaries(kept), comm_s=stage.comm_s - dropped,
-            backward_s=stage.backward_s - dropped, total_s=stage.total_s - dropped,
-            accumulate_axes=axes, local_loss_scale=scale)
+            forward_s=max(forward, 0.0), backward_s=max(backward, 0.0),
+            total_s=stage.total_s - dropped, accumulate_axes=axes, local_loss_scale=scale)
         return StageSync(new, records, reduce_s)
     # The backward reduces over the batch axes itself, once per micro-batch; its time is
     # inside the stage's backward estimate.
