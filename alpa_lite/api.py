@@ -18,20 +18,20 @@ from typing import Any, Callable, Sequence
 import jax
 
 from alpa_lite import compression as C
-from alpa_lite.planning.compression import make_compressed_plan
-from alpa_lite.runtime.compressed import CompressedExecutable
 from alpa_lite.cost_models.cluster import Cluster
-from alpa_lite.runtime.distributed import share_from_first
 from alpa_lite.errors import PlanMismatchError, PlanningError
 from alpa_lite.ir.graph import Role
-from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method
-from alpa_lite.planning.pipeline import make_pipeline_plan
 from alpa_lite.ir.step_parts import StepParts, split_step
+from alpa_lite.ir.tracing import TracedStep, trace
 from alpa_lite.plan import Plan
+from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method
+from alpa_lite.planning.compression import make_compressed_plan
+from alpa_lite.planning.pipeline import make_pipeline_plan
 from alpa_lite.planning.spmd import make_plan, replace_stats
 from alpa_lite.progress import TRACE, Progress, report
+from alpa_lite.runtime.compressed import CompressedExecutable
+from alpa_lite.runtime.distributed import share_from_first
 from alpa_lite.runtime.executable import Executable, StepProgram, compile_plan
-from alpa_lite.ir.tracing import TracedStep, trace
 
 
 class ParallelizedStep:

@@ -91,12 +91,12 @@ from typing import Any, Callable  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits  # noqa: E402
 
 import alpa_lite as al  # noqa: E402

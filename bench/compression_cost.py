@@ -55,11 +55,11 @@ from typing import Any, Callable  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import alpa_lite as al  # noqa: E402
 from alpa_lite import compression as C  # noqa: E402

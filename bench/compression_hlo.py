@@ -36,11 +36,11 @@ import _common  # noqa: E402
 
 _common.use_examples()
 
+import gpt  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
 
 import alpa_lite as al  # noqa: E402
-import gpt  # noqa: E402
 from alpa_lite import compression as C  # noqa: E402
 from alpa_lite.runtime.hlo import bytes_by_kind, collectives_in_hlo  # noqa: E402
 

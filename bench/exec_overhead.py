@@ -53,12 +53,12 @@ import _common  # noqa: E402
 
 _common.use_examples()
 
+import gpt  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import alpa_lite as al  # noqa: E402
-import gpt  # noqa: E402
 
 # Knobs -----------------------------------------------------------------------------------
 SIZE = "125M"            # a key of gpt.CONFIGS

@@ -79,15 +79,15 @@ import _common  # noqa: E402
 
 _common.use_examples()
 
+import gpt  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import alpa_lite as al  # noqa: E402
-import gpt  # noqa: E402
-from alpa_lite.tools.calibrate import calibrate, matmul_chain  # noqa: E402
 from alpa_lite.cost_models.cluster import Cluster  # noqa: E402
 from alpa_lite.runtime.hlo import collectives_in_hlo  # noqa: E402
+from alpa_lite.tools.calibrate import calibrate, matmul_chain  # noqa: E402
 
 H100_CLUSTER = _common.RESULTS_DIR / "calibrated_1xH100.json"
 # Published plain-jit block measurement (module docstring); bench/data/README.md.
@@ -99,6 +99,7 @@ H100_BLOCK = dict(batch=8, seq=2048, hidden=2048, heads=16, dtype="bfloat16")
 def h100_block_point(cluster_path: Path = H100_CLUSTER) -> dict:
     """The H100 block point of the module docstring: estimate vs the published 13.75 ms."""
     import json
+
     import jax.numpy as jnp
     probe = json.loads(H100_PROBE.read_text())
     b, t, h = H100_BLOCK["batch"], H100_BLOCK["seq"], H100_BLOCK["hidden"]
@@ -150,6 +151,7 @@ def fusion_diagnostic(graph, cluster: Cluster) -> dict:
     element-wise kernel: the H100 fit's element-wise intercept less its dispatch, both from
     bench/results/calibrated_1xH100_fit.json, since each of those rows was one jitted call)."""
     import json
+
     from alpa_lite.cost_models.compute import compute_time
     from alpa_lite.planning.fusion import fuse
     from alpa_lite.planning.strategies import MATMUL
@@ -276,6 +278,7 @@ PROBE_CHAIN = 8
 def make_probe(cluster: Cluster):
     """(call, model seconds per matmul): the probe of the module docstring."""
     from jax.sharding import Mesh
+
     from alpa_lite.cost_models.compute import compute_time
     m, k, n = PROBE_SHAPE
     mesh = Mesh(np.array(jax.local_devices()), ("d",))
@@ -305,7 +308,8 @@ def time_rounds(cases: list[Case], rounds: int, controls: dict) -> dict:
 
 def plain_jit_step(train_step, args):
     """The step under jax.jit, parameters and optimizer state replicated, batch split."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     mesh = Mesh(np.array(jax.devices()), ("d",))
     params, opt_state, batch = args
     rep_, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))

@@ -40,12 +40,12 @@ import _common  # noqa: E402
 
 _common.use_examples()
 
-import optax  # noqa: E402
-
-import alpa_lite as al  # noqa: E402
 import gpt  # noqa: E402
 import moe  # noqa: E402
+import optax  # noqa: E402
 import wide_resnet  # noqa: E402
+
+import alpa_lite as al  # noqa: E402
 
 MODULES = {"gpt": gpt, "moe": moe, "wide_resnet": wide_resnet}
 # The Alpa paper's weak-scaling ladder (OSDI 2022, Table 4).

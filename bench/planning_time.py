@@ -33,13 +33,13 @@ import _common  # noqa: E402
 
 _common.use_examples()
 
+import gpt  # noqa: E402
 import jax  # noqa: E402
+import moe  # noqa: E402
 import optax  # noqa: E402
+import wide_resnet  # noqa: E402
 
 import alpa_lite as al  # noqa: E402
-import gpt  # noqa: E402
-import moe  # noqa: E402
-import wide_resnet  # noqa: E402
 
 # Knobs -----------------------------------------------------------------------------------
 # (label, example module, size key, batch size, cluster preset, method)

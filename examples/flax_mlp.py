@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from alpa_lite.tools.models import common
+
 # The same random images and labels as the Wide-ResNet's: fields image_size, in_channels,
 # num_classes and dtype.
 from alpa_lite.tools.models.wide_resnet import abstract_batch, make_batch

@@ -13,13 +13,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from _reference import reference_run, run_steps
+from test_compression import nodes
 
 import alpa_lite as al
 from alpa_lite import compression as C
 from alpa_lite.errors import CheckpointMismatchError
-
-from _reference import reference_run, run_steps
-from test_compression import nodes
 
 BEFORE, AFTER = 2, 2        # steps before the save, and after it
 

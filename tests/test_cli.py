@@ -16,13 +16,11 @@ import jax
 import pytest
 
 import alpa_lite as al
-from alpa_lite.tools import cli
-from alpa_lite.tools import explain
-from alpa_lite.tools import pictures
-from alpa_lite.tools import report as plan_report
 from alpa_lite import progress
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.solvers.sharding_ilp import evaluate
+from alpa_lite.tools import cli, explain, pictures
+from alpa_lite.tools import report as plan_report
 from alpa_lite.tools.targets import TargetError, load_target
 
 USER_FILE = textwrap.dedent('''

@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _reference import STEPS, reference_run
+from _reference import run_steps as run
 
 import alpa_lite as al
 from alpa_lite import compression as C
-from alpa_lite.runtime.hlo import bytes_by_kind, collectives_in_hlo
 from alpa_lite.plan import Plan
-
-from _reference import STEPS, reference_run, run_steps as run
+from alpa_lite.runtime.hlo import bytes_by_kind, collectives_in_hlo
 
 
 def nodes(n: int = 2) -> al.Cluster:

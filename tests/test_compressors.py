@@ -16,8 +16,21 @@ from jax.extend.core import jaxprs_in_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from alpa_lite.compression import (DGC, QSGD, Cast, Dense, OneBit, PowerSGD, RandomK, SignSGD,
-                                   TernGrad, TopK, by_name, init_tree, reduce_tree)
+from alpa_lite.compression import (
+    DGC,
+    QSGD,
+    Cast,
+    Dense,
+    OneBit,
+    PowerSGD,
+    RandomK,
+    SignSGD,
+    TernGrad,
+    TopK,
+    by_name,
+    init_tree,
+    reduce_tree,
+)
 from alpa_lite.compression.powersgd import low_rank_sum
 
 KEY = jax.random.key(0)

@@ -15,10 +15,10 @@ whatever the parallelization.
 import jax
 import numpy as np
 import pytest
+from _reference import reference_run, run_steps  # tests/_reference.py
 
 import alpa_lite as al
 from alpa_lite.runtime.hlo import bytes_by_kind, collectives_in_hlo
-from _reference import reference_run, run_steps  # tests/_reference.py
 
 EXAMPLES = ["mlp", "gpt", "moe", "wide_resnet", "flax_mlp"]
 METHODS = {

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpa_lite.planning.fusion import fuse
 from alpa_lite.ir.tracing import trace
+from alpa_lite.planning.fusion import fuse
 
 
 def _graph(fn, *args):

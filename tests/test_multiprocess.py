@@ -14,11 +14,10 @@ import time
 import jax
 import numpy as np
 import pytest
+from _reference import reference_run, run_steps
 
 import alpa_lite as al
 from alpa_lite.tools.launch import LocalJob, launch
-
-from _reference import reference_run, run_steps
 
 WORKER = str(pathlib.Path(__file__).resolve().parent / "multiprocess_worker.py")
 CONFIGS = [f"{example}:{method}" for example in ("mlp", "gpt")

@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _reference import example_step, run_steps
 
 import alpa_lite as al
 from alpa_lite import compression as C
 from alpa_lite.errors import PlanningError
 from alpa_lite.plan import Accumulation, SyncCollective
-from _reference import example_step, run_steps
 
 
 def _by_kind(collectives) -> dict[str, int]:

@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _reference import reference_run, run_steps  # tests/_reference.py
 
 import alpa_lite as al
 from alpa_lite.errors import PlanningError
-from _reference import reference_run, run_steps  # tests/_reference.py
 
 # Wide-ResNet's batch norm turns float32 reduction-order differences of ~1e-7 into ~2e-5
 # over five steps (see test_execution.py), hence its looser tolerance.

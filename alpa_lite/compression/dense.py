@@ -10,8 +10,13 @@ import jax
 import jax.numpy as jnp
 
 from alpa_lite.compression.base import Compressor, accumulator_dtype, check_axis
-from alpa_lite.compression.collectives import (ColumnChunks, all_gather_exact, all_to_all_exact,
-                                               ring_all_reduce_bytes, two_phase_bytes)
+from alpa_lite.compression.collectives import (
+    ColumnChunks,
+    all_gather_exact,
+    all_to_all_exact,
+    ring_all_reduce_bytes,
+    two_phase_bytes,
+)
 
 
 @dataclasses.dataclass(frozen=True)

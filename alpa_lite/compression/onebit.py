@@ -16,9 +16,15 @@ import jax
 import jax.numpy as jnp
 
 from alpa_lite.compression.base import Compressor, accumulator_dtype, check_axis, safe_divide
-from alpa_lite.compression.collectives import (ColumnChunks, all_gather_exact, all_to_all_exact,
-                                               pack_bits, ring_all_reduce_bytes, two_phase_bytes,
-                                               unpack_bits)
+from alpa_lite.compression.collectives import (
+    ColumnChunks,
+    all_gather_exact,
+    all_to_all_exact,
+    pack_bits,
+    ring_all_reduce_bytes,
+    two_phase_bytes,
+    unpack_bits,
+)
 
 
 def _encode_columns(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:

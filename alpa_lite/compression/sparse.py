@@ -23,10 +23,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpa_lite.compression.base import (Compressor, accumulator_dtype, check_axis, count_of,
-                                        require_fraction, safe_divide)
-from alpa_lite.compression.collectives import (all_gather_bytes, all_gather_exact,
-                                               ring_all_reduce_bytes)
+from alpa_lite.compression.base import (
+    Compressor,
+    accumulator_dtype,
+    check_axis,
+    count_of,
+    require_fraction,
+    safe_divide,
+)
+from alpa_lite.compression.collectives import (
+    all_gather_bytes,
+    all_gather_exact,
+    ring_all_reduce_bytes,
+)
 
 
 def _scatter(numel: int, indices: jax.Array, values: jax.Array, dtype) -> jax.Array:

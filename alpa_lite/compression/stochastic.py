@@ -15,8 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from alpa_lite.compression.base import Compressor, check_axis, safe_divide
-from alpa_lite.compression.collectives import (all_gather_bytes, all_gather_exact,
-                                               ring_all_reduce_bytes)
+from alpa_lite.compression.collectives import (
+    all_gather_bytes,
+    all_gather_exact,
+    ring_all_reduce_bytes,
+)
 
 
 def _ternary_dtype(num_workers: int):

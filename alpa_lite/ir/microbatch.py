@@ -35,9 +35,9 @@ import math
 import numpy as np
 
 from alpa_lite.errors import PlanningError
+from alpa_lite.ir.batch import batch_dims
 from alpa_lite.ir.graph import Node, Role
 from alpa_lite.ir.op_rules import ELEMENTWISE, dim_labels
-from alpa_lite.ir.batch import batch_dims
 from alpa_lite.ir.tracing import TracedStep
 
 # What a tensor is to the batch (see the module docstring).

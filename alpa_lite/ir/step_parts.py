@@ -28,6 +28,7 @@ import numpy as np
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import OpGraph, Role
 from alpa_lite.ir.microbatch import check_microbatching
+from alpa_lite.ir.replay import replay
 from alpa_lite.ir.tracing import TracedStep, trace, trace_flat
 
 GRAD_CALL = "alpa_grad_call"
@@ -247,33 +248,6 @@ def range_io(forward: OpGraph, start: int, stop: int) -> tuple[list[int], list[i
     outs = [t for n in forward.nodes[start:stop] for t in n.outputs
             if t in later or t in forward.outputs]
     return ins, outs
-
-
-def replay(traced: TracedStep, node_ids: Sequence[int], env: dict[int, Any],
-           tensor_sharding: dict | None = None, operand_sharding: dict | None = None) -> None:
-    """Runs graph nodes in order, reading and writing `env` (tensor id -> value); with
-    shardings, pins results and resharded operands with `with_sharding_constraint`."""
-    wsc = jax.lax.with_sharding_constraint
-    g = traced.graph
-    for i in node_ids:
-        node, prim = g.nodes[i], traced.primitives[i]
-        with jax.named_scope(node.name):
-            args = []
-            for pos, t in enumerate(node.inputs):
-                if t is None:
-                    x = traced.literals[(node.id, pos)]
-                elif t in env:
-                    x = env[t]
-                else:
-                    x = traced.consts[t]
-                s = operand_sharding.get((node.id, pos)) if operand_sharding else None
-                args.append(x if s is None else wsc(x, s))
-            outs = prim.bind(*args, **prim.get_bind_params(dict(node.params)))
-            if not prim.multiple_results:
-                outs = [outs]
-            for t, o in zip(node.outputs, outs):
-                s = tensor_sharding.get(t) if tensor_sharding else None
-                env[t] = o if s is None else wsc(o, s)
 
 
 def structure_hash(forward: TracedStep, start: int, stop: int) -> str:

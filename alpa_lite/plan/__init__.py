@@ -6,9 +6,20 @@ Holds the Plan and its parts (`plan`), sharding specs (`sharding`), the user's m
 May import: `alpa_lite.errors`, `alpa_lite.cost_models`. Never ir, planning or runtime.
 """
 
-from alpa_lite.plan.plan import (PLAN_FORMAT, Accumulation, Alternative, CollectiveSummary,
-                                 CompressionSpec, Explanation, GradientSync, PipelineSpec,
-                                 Plan, PlanningStats, StagePlan, SyncCollective)
+from alpa_lite.plan.plan import (
+                                 PLAN_FORMAT,
+                                 Accumulation,
+                                 Alternative,
+                                 CollectiveSummary,
+                                 CompressionSpec,
+                                 Explanation,
+                                 GradientSync,
+                                 PipelineSpec,
+                                 Plan,
+                                 PlanningStats,
+                                 StagePlan,
+                                 SyncCollective,
+)
 
 __all__ = ["PLAN_FORMAT", "Accumulation", "Alternative", "CollectiveSummary",
            "CompressionSpec", "Explanation", "GradientSync", "PipelineSpec", "Plan",

@@ -20,9 +20,14 @@ from typing import Sequence
 import numpy as np
 
 from alpa_lite.cost_models.cluster import Cluster
-from alpa_lite.cost_models.collectives import (CollectiveKind, all_gather_time,
-                                               all_reduce_time, all_to_all_time,
-                                               mesh_axis_topology, reduce_scatter_time)
+from alpa_lite.cost_models.collectives import (
+    CollectiveKind,
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    mesh_axis_topology,
+    reduce_scatter_time,
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

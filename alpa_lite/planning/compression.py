@@ -27,16 +27,19 @@ import jax
 
 from alpa_lite import compression as C
 from alpa_lite.cost_models.cluster import Cluster
-from alpa_lite.cost_models.gradient_sync import (GradientLeaf, exchange_layout, gradient_sync,
-                                                 step_time)
+from alpa_lite.cost_models.gradient_sync import (
+    GradientLeaf,
+    exchange_layout,
+    gradient_sync,
+    step_time,
+)
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import Role
-from alpa_lite.plan.methods import Auto, DataParallel, Manual
-from alpa_lite.plan import Accumulation, GradientSync, SyncCollective
-from alpa_lite.plan import CompressionSpec, Plan
-from alpa_lite.planning.spmd import make_plan
-from alpa_lite.plan.sharding import itemsize
 from alpa_lite.ir.tracing import TracedStep
+from alpa_lite.plan import Accumulation, CompressionSpec, GradientSync, Plan, SyncCollective
+from alpa_lite.plan.methods import Auto, DataParallel, Manual
+from alpa_lite.plan.sharding import itemsize
+from alpa_lite.planning.spmd import make_plan
 
 
 def exchange_axis(cluster: Cluster) -> tuple[str, int, bool]:

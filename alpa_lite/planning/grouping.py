@@ -21,6 +21,7 @@ from alpa_lite.ir.graph import OpGraph, Role
 from alpa_lite.plan.sharding import TensorSpec
 from alpa_lite.planning.strategies import BROADCASTS, HEAVY, Strategy, Units, reshard_cost
 
+
 @dataclasses.dataclass
 class Group:
     leader: int

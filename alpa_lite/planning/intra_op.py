@@ -25,13 +25,34 @@ import numpy as np
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import OpGraph, Role, Tensor
-from alpa_lite.planning.grouping import Group, build_groups, follow_targets, repeated_group_classes
 from alpa_lite.plan import CollectiveSummary, StagePlan
-from alpa_lite.plan.sharding import (CollectiveOp, CommModel, LogicalMesh, TensorSpec, itemsize,
-                                reshard_collectives)
-from alpa_lite.solvers.sharding_ilp import (ILPEdge, ILPNode, InfeasibleMemoryError,
-                                            ShardingProblem, Solver, solve_sharding_ilp)
-from alpa_lite.planning.strategies import HEAVY, InputPin, NodePin, Strategy, Units, reshard_cost, unit_name
+from alpa_lite.plan.sharding import (
+    CollectiveOp,
+    CommModel,
+    LogicalMesh,
+    TensorSpec,
+    itemsize,
+    reshard_collectives,
+)
+from alpa_lite.planning.grouping import Group, build_groups, follow_targets, repeated_group_classes
+from alpa_lite.planning.strategies import (
+    HEAVY,
+    InputPin,
+    NodePin,
+    Strategy,
+    Units,
+    reshard_cost,
+    unit_name,
+)
+from alpa_lite.solvers.sharding_ilp import (
+    ILPEdge,
+    ILPNode,
+    InfeasibleMemoryError,
+    ShardingProblem,
+    Solver,
+    solve_sharding_ilp,
+)
+
 
 @dataclasses.dataclass
 class MeshMemo:

@@ -10,8 +10,12 @@ from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import OpGraph
 from alpa_lite.ir.step_parts import structure_hash
 from alpa_lite.ir.tracing import TracedStep
-from alpa_lite.solvers.layer_clustering import (ClusteringError, ClusteringProblem,
-                                                cluster_layers, thin_layer_counts)
+from alpa_lite.solvers.layer_clustering import (
+    ClusteringError,
+    ClusteringProblem,
+    cluster_layers,
+    thin_layer_counts,
+)
 
 
 def clustering_problem(forward: OpGraph):

@@ -32,20 +32,25 @@ from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.cost_models.collectives import send_recv_time
 from alpa_lite.cost_models.pipeline_schedule import StageTiming, schedule_from_name, simulate
 from alpa_lite.errors import PlanningError
-from alpa_lite.ir.graph import Role
-from alpa_lite.planning.intra_op import MeshMemo, StageResult, plan_stage
-from alpa_lite.plan.methods import Auto, Manual
-from alpa_lite.ir.step_parts import StageProgram, StepParts, stage_program, structure_hash
-from alpa_lite.planning.gradient_sync import stage_sync
-from alpa_lite.planning.layers import forward_layers
-from alpa_lite.plan import Alternative, Explanation, PipelineSpec, Plan, PlanningStats, StagePlan
-from alpa_lite.progress import CLUSTER, DP, ILPS, Progress, report
 from alpa_lite.ir.batch import batch_dims
-from alpa_lite.planning.spmd import manual_pins, solver_for
+from alpa_lite.ir.graph import Role
 from alpa_lite.ir.op_rules import DimLabels, enumerate_assignments
+from alpa_lite.ir.step_parts import StageProgram, StepParts, stage_program, structure_hash
+from alpa_lite.plan import Alternative, Explanation, PipelineSpec, Plan, PlanningStats, StagePlan
+from alpa_lite.plan.methods import Auto, Manual
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec, itemsize
-from alpa_lite.solvers.stage_dp import (NoFeasiblePipelineError, StageOption, SubmeshShape,
-                                        solve_stage_dp, submesh_shapes)
+from alpa_lite.planning.gradient_sync import stage_sync
+from alpa_lite.planning.intra_op import MeshMemo, StageResult, plan_stage
+from alpa_lite.planning.layers import forward_layers
+from alpa_lite.planning.spmd import manual_pins, solver_for
+from alpa_lite.progress import CLUSTER, DP, ILPS, Progress, report
+from alpa_lite.solvers.stage_dp import (
+    NoFeasiblePipelineError,
+    StageOption,
+    SubmeshShape,
+    solve_stage_dp,
+    submesh_shapes,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,17 +19,17 @@ from typing import Mapping
 
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import PlanningError
+from alpa_lite.ir.batch import batch_dims
 from alpa_lite.ir.graph import OpGraph, Role, Tensor
+from alpa_lite.ir.op_rules import dim_labels
+from alpa_lite.ir.tracing import TracedStep
+from alpa_lite.plan import Alternative, Explanation, Plan, PlanningStats
+from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, SolverChoice
+from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
 from alpa_lite.planning.gradient_sync import single_stage_sync
 from alpa_lite.planning.intra_op import StageResult, plan_stage
-from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, SolverChoice
-from alpa_lite.ir.batch import batch_dims
-from alpa_lite.ir.op_rules import dim_labels
-from alpa_lite.plan import Alternative, Explanation, Plan, PlanningStats
 from alpa_lite.progress import ILPS, Progress, report
-from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
 from alpa_lite.solvers.sharding_ilp import Solver
-from alpa_lite.ir.tracing import TracedStep
 
 _VIEW_OPS = frozenset({"convert_element_type", "copy", "copy_p", "transpose",
                        "broadcast_in_dim", "reduce_precision"})

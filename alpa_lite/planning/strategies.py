@@ -21,8 +21,14 @@ from alpa_lite.cost_models.compute import compute_time
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import Node, OpGraph, Role, Tensor
 from alpa_lite.ir.op_rules import DimLabels, dim_labels, enumerate_assignments
-from alpa_lite.plan.sharding import (CollectiveOp, CommModel, LogicalMesh, TensorSpec, itemsize,
-                                reshard_collectives)
+from alpa_lite.plan.sharding import (
+    CollectiveOp,
+    CommModel,
+    LogicalMesh,
+    TensorSpec,
+    itemsize,
+    reshard_collectives,
+)
 
 # Host-to-device copy bandwidth for the batch: PCIe 4.0 x16 moves ~25 GB/s in practice
 # (32 GB/s raw; PCI-SIG PCIe 4.0 base specification, 16 GT/s x 16 lanes, 128b/130b).

@@ -37,16 +37,17 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from alpa_lite import compression as C
-from alpa_lite.runtime.distributed import place
 from alpa_lite.errors import NonFiniteGradientError
 from alpa_lite.ir.markers import GradientHook, gradient_hook
+from alpa_lite.ir.tracing import TracedStep
 from alpa_lite.plan import Plan
+from alpa_lite.runtime.distributed import place
 from alpa_lite.runtime.hlo import CompiledCollective, compiled_collectives
 from alpa_lite.runtime.spmd import shardings_like
-from alpa_lite.ir.tracing import TracedStep
 
 WORKERS = ("node", "local")
 

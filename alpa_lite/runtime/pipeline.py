@@ -26,15 +26,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpa_lite.cost_models.pipeline_schedule import schedule_from_name, stage_order
-from alpa_lite.runtime.distributed import on_every_process, place
 from alpa_lite.errors import PlanMismatchError
 from alpa_lite.ir.graph import Role
-from alpa_lite.ir.step_parts import (StageProgram, StepParts, local_forward, replay,
-                                    stage_program)
+from alpa_lite.ir.replay import replay
+from alpa_lite.ir.step_parts import StageProgram, StepParts, local_forward, stage_program
 from alpa_lite.plan import Plan, StagePlan
-from alpa_lite.runtime.spmd import named_sharding, partition_spec, shardings_like, stage_mesh
 from alpa_lite.plan.sharding import TensorSpec
+from alpa_lite.runtime.distributed import on_every_process, place
 from alpa_lite.runtime.hlo import CompiledCollective, compiled_collectives
+from alpa_lite.runtime.spmd import named_sharding, partition_spec, shardings_like, stage_mesh
 
 
 class _Stage:

@@ -16,12 +16,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpa_lite.runtime.distributed import place
 from alpa_lite.errors import PlanMismatchError
+from alpa_lite.ir.replay import replay
+from alpa_lite.ir.tracing import TracedStep
 from alpa_lite.plan import Plan, StagePlan
 from alpa_lite.plan.sharding import TensorSpec
+from alpa_lite.runtime.distributed import place
 from alpa_lite.runtime.hlo import CompiledCollective, compiled_collectives
-from alpa_lite.ir.tracing import TracedStep
 
 
 def partition_spec(spec: TensorSpec) -> PartitionSpec:
@@ -56,27 +57,12 @@ class StageExecutable:
         self._compiled: dict[tuple, Any] = {}
 
     def _replay(self, *flat_args):
-        tr = self.traced
-        g = tr.graph
-        wsc = jax.lax.with_sharding_constraint
+        # Each operator runs under a scope named after its graph node (in the HLO metadata,
+        # to trace a collective back to the plan).
+        g = self.traced.graph
         env: dict[int, Any] = dict(zip(g.inputs, flat_args))
-        env.update(tr.consts)
-        for node, prim in zip(g.nodes, tr.primitives):
-            # The scope names the graph node in the HLO metadata, to trace a collective
-            # back to the plan.
-            with jax.named_scope(node.name):
-                args = []
-                for pos, t in enumerate(node.inputs):
-                    x = tr.literals[(node.id, pos)] if t is None else env[t]
-                    s = self._operand.get((node.id, pos))
-                    args.append(x if s is None else wsc(x, s))
-                outs = prim.bind(*args, **prim.get_bind_params(dict(node.params)))
-                if not prim.multiple_results:
-                    outs = [outs]
-                for t, o in zip(node.outputs, outs):
-                    s = self._tensor.get(t)
-                    env[t] = o if s is None else wsc(o, s)
-        return tuple(env[t] for t in g.outputs)
+        replay(self.traced, range(len(g.nodes)), env, self._tensor, self._operand)
+        return tuple(env[t] if t in env else self.traced.consts[t] for t in g.outputs)
 
     def put_args(self, flat_args: Sequence[Any]) -> list[Any]:
         # One batched call: arrays already placed as the plan wants are passed through.

@@ -68,7 +68,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from alpa_lite.cost_models.calibration import (
     CollectiveSample,
@@ -80,9 +81,9 @@ from alpa_lite.cost_models.calibration import (
 from alpa_lite.cost_models.cluster import Cluster, LinkSpec
 from alpa_lite.cost_models.collectives import CollectiveKind
 from alpa_lite.cost_models.devices import DEVICES
+from alpa_lite.progress import Progress, report
 from alpa_lite.runtime.distributed import share_from_first
 from alpa_lite.runtime.hlo import collectives_in_hlo
-from alpa_lite.progress import Progress, report
 
 __all__ = ["calibrate", "CalibrationReport", "MatmulSample", "TimedSample", "LinkReport"]
 

@@ -49,9 +49,9 @@ from etils import epath
 from jax.sharding import Sharding
 
 from alpa_lite.api import ParallelizedStep
-from alpa_lite.runtime.compressed import CompressedExecutable
 from alpa_lite.errors import CheckpointMismatchError
 from alpa_lite.plan.methods import describe
+from alpa_lite.runtime.compressed import CompressedExecutable
 
 FORMAT = "alpa_lite.tools.checkpoint/1"
 """The format tag in every checkpoint's metadata; bumped when the layout changes."""

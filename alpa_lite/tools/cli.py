@@ -67,8 +67,14 @@ class _ProgressDisplay:
     terminal, one line per finished phase with --verbose, nothing otherwise."""
 
     def __init__(self, verbose: bool):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
-                                   TextColumn, TimeElapsedColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
         self.live = None
         self.verbose = verbose
         self.lock = threading.Lock()
@@ -228,8 +234,8 @@ def clusters_table() -> Table:
 
 def _method(args, num_devices: int):
     """The method(s) the plan command asks for: a list of (label, method)."""
-    from alpa_lite.tools.compare import DEFAULT_MICRO_BATCHES
     from alpa_lite.plan.methods import Auto, DataParallel, Manual
+    from alpa_lite.tools.compare import DEFAULT_MICRO_BATCHES
     if args.method != "manual" and (args.dp or args.tp or args.pp or args.remat):
         raise UsageError(f"--dp/--tp/--pp/--remat set the layout of --method manual, not "
                          f"--method {args.method}")

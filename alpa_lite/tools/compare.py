@@ -47,8 +47,8 @@ from alpa_lite.api import ParallelizedStep
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import OpGraph, Role
-from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method
 from alpa_lite.plan import Plan
+from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method
 from alpa_lite.progress import Progress, report
 
 DEFAULT_MICRO_BATCHES = (1, 4, 16)

@@ -32,14 +32,14 @@ from rich.table import Table
 from alpa_lite.api import ParallelizedStep
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.ir.graph import Role
-from alpa_lite.planning.intra_op import BuiltStage, plan_stage
-from alpa_lite.plan.methods import Auto, DataParallel, Manual
-from alpa_lite.planning.pipeline import forward_names, layer_node_ranges, PipelinePlanner
 from alpa_lite.ir.step_parts import split_step
 from alpa_lite.plan import Plan, StagePlan
-from alpa_lite.plan.text import fmt_bytes
-from alpa_lite.planning.spmd import manual_pins
+from alpa_lite.plan.methods import Auto, DataParallel, Manual
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
+from alpa_lite.plan.text import fmt_bytes
+from alpa_lite.planning.intra_op import BuiltStage, plan_stage
+from alpa_lite.planning.pipeline import PipelinePlanner, forward_names, layer_node_ranges
+from alpa_lite.planning.spmd import manual_pins
 from alpa_lite.solvers.sharding_ilp import Solver, evaluate
 
 KIND_TITLES = {

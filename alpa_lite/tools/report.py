@@ -15,8 +15,12 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from alpa_lite.cost_models.pipeline_schedule import (ScheduleResult, StageTiming,
-                                                     schedule_from_name, simulate)
+from alpa_lite.cost_models.pipeline_schedule import (
+    ScheduleResult,
+    StageTiming,
+    schedule_from_name,
+    simulate,
+)
 from alpa_lite.plan import Plan
 from alpa_lite.plan.methods import describe
 from alpa_lite.plan.text import fmt_bytes, fmt_time

@@ -204,7 +204,7 @@ def load_file(spec: str) -> Target:
                           f"{type(result).__name__}")
     step_fn, args = result
     batch_argnums = None
-    from alpa_lite.api import ParallelizedStep     # a step the user already wrapped
+    from alpa_lite.api import ParallelizedStep  # a step the user already wrapped
     if isinstance(step_fn, ParallelizedStep):
         step_fn, batch_argnums = step_fn.fn, step_fn.batch_argnums
     args = tuple(args)

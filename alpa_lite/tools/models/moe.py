@@ -31,8 +31,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from alpa_lite.tools.models import common
-from alpa_lite.tools.models import gpt  # shared transformer pieces: attention, layer norm, loss
+from alpa_lite.tools.models import (
+    common,
+    gpt,  # shared transformer pieces: attention, layer norm, loss
+)
 
 # The model's public names: what examples/moe.py re-exports with `import *`.
 __all__ = [
