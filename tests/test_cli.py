@@ -185,7 +185,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(workdir):
         (["plan", "missing.py", "--cluster", "8xV100"], 2, "no such file: missing.py"),
         (["plan", "no_step.py", "--cluster", "8xV100"], 2, "no function make_step()"),
         (["plan", "mlp-tiny", "--cluster", "broken_cluster.json"], 2, "not valid JSON"),
-        (["show", "old.json"], 2, "expected format 'alpa_lite.plan/3'"),
+        (["show", "old.json"], 2, "expected format 'alpa_lite.plan/4'"),
         (["show", "nowhere.json"], 2, "no such plan file"),
         (["plan", "mlp-tiny", "--method", "manual", "--dp", "3", "--cluster", "8xV100"], 2,
          "= 3 devices, but the cluster has 8"),

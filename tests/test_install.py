@@ -87,7 +87,8 @@ def installed(tmp_path_factory):
     proc = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-input",
                            "--quiet", str(src)], cwd=work, env=env, capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode == 0, f"pip install failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, \
+        f"pip install failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return venv, packages, work, env
 
 

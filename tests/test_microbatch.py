@@ -183,7 +183,9 @@ def test_examples_are_means(name, m):
 def test_wide_resnet_with_whole_batch_norm_raises(monkeypatch):
     """Batch norm over the whole batch (wide_resnet before ghost batch norm) must not be
     micro-batched: each micro-batch would normalise by its own statistics."""
-    import wide_resnet
+    # The model's module, where its blocks look `norm` up (examples/wide_resnet.py
+    # re-exports it).
+    from alpa_lite.tools.models import wide_resnet
 
     def whole_batch_norm(p, x, eps, *_):
         x32 = x.astype(jnp.float32)

@@ -196,7 +196,7 @@ def test_plan_for_other_cluster_or_shapes_is_refused():
 @pytest.mark.parametrize("text, match", [
     ("{not json", "malformed"),
     ('{"format": "something/else"}', "not an alpa_lite plan"),
-    ('{"format": "alpa_lite.plan/3", "method": "x"}', "malformed"),
+    ('{"format": "alpa_lite.plan/4", "method": "x"}', "malformed"),
 ])
 def test_malformed_plan_json(text, match):
     with pytest.raises(ValueError, match=match):
