@@ -186,10 +186,7 @@ class PipelinePlanner:
         fb = prog.fb.graph
         pin = node_pin = None
         if manual is not None:
-            # Megatron: the batch stays split over dp in every tensor that carries it, so the
-            # stage can accumulate its gradients per device (planning.gradient_sync).
-            pin, node_pin = manual_pins(fb, manual.dp, manual.tp, False, self.seeds(prog),
-                                        split_batch=True)
+            pin, node_pin = manual_pins(fb, manual.dp, manual.tp, False, self.seeds(prog))
         elif lean:
             pin = _most_split_params(fb, mesh)
         with self._lock:
