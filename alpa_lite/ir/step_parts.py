@@ -156,7 +156,11 @@ def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
             roles.append(tt.role)
             names.append(tt.name)
         call = parts.call
-        local = trace_flat(lambda *xs: (call.loss(*xs),), avals, roles, names)
+        try:
+            local = trace_flat(lambda *xs: (call.loss(*xs),), avals, roles, names)
+        except Exception as e:      # the user's loss may refuse the size in any way
+            raise PlanningError(f"the loss function cannot be traced at 1/{replicas} of a "
+                                f"micro-batch: {type(e).__name__}: {e}") from None
         cache[replicas] = (local, check_microbatching(local, parts.forward, replicas))
     return cache[replicas]
 
@@ -337,6 +341,15 @@ def stage_program(forward: TracedStep, start: int, stop: int,
                         remat_nodes=remat, residuals=residuals,
                         structure=structure_hash(forward, start, stop) + "/" +
                         "".join("1" if d else "0" for d in diff_acts + diff_outs))
+
+
+def param_homes(progs: Sequence[StageProgram]) -> dict[int, int]:
+    """Forward parameter tensor -> the first stage that reads it."""
+    home: dict[int, int] = {}
+    for s, prog in enumerate(progs):
+        for t in prog.params:
+            home.setdefault(t, s)
+    return home
 
 
 def _ancestors(g: OpGraph, targets, stop: set[int]) -> list[int]:

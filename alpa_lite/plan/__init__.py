@@ -14,6 +14,7 @@ from alpa_lite.plan.plan import (
                                  CompressionSpec,
                                  Explanation,
                                  GradientSync,
+                                 InputPlacement,
                                  PipelineSpec,
                                  Plan,
                                  PlanningStats,
@@ -22,5 +23,5 @@ from alpa_lite.plan.plan import (
 )
 
 __all__ = ["PLAN_FORMAT", "Accumulation", "Alternative", "CollectiveSummary",
-           "CompressionSpec", "Explanation", "GradientSync", "PipelineSpec", "Plan",
+           "CompressionSpec", "Explanation", "GradientSync", "InputPlacement", "PipelineSpec", "Plan",
            "PlanningStats", "StagePlan", "SyncCollective"]

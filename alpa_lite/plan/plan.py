@@ -98,6 +98,7 @@ class StagePlan:
     # micro-batch loss (1/replicas for a mean).
     accumulate_axes: tuple[str, ...] = ()
     local_loss_scale: float = 1.0
+    accumulate_note: str = ""       # why a pipelined stage reduces in every backward instead
 
     def sharding_of(self, name: str) -> TensorSpec:
         for n, spec in self.shardings:
@@ -105,6 +106,14 @@ class StagePlan:
                 return spec
         raise KeyError(f"no tensor named {name!r} in the plan; known: "
                        f"{[n for n, _ in self.shardings][:20]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class InputPlacement:
+    """Where a pipelined step keeps one step input: the stage whose devices hold it, and its
+    sharding on that stage's mesh (where a training loop hands it back each step)."""
+    stage: int
+    spec: TensorSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +134,11 @@ class PipelineSpec:
     send_s: tuple[float, ...] = ()      # per stage boundary, one activation transfer
     apply_s: float = 0.0                # the optimizer update after the last backward
     reduce_s: float = 0.0               # the slowest stage's once-per-step gradient reduction
+    # The step outside the gradient call (the optimizer update), decided by the planner
+    # (`planning.update_placement`): the stage each of its operators runs on, in the
+    # traced step's node order, and where each step input (flattened) lives.
+    update_stages: tuple[int, ...] = ()
+    inputs: tuple[InputPlacement, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +362,7 @@ def _stage_to_obj(s: StagePlan) -> dict[str, Any]:
         "layers": list(s.layers), "remat": bool(s.remat),
         "accumulate_axes": list(s.accumulate_axes),
         "local_loss_scale": float(s.local_loss_scale),
+        "accumulate_note": s.accumulate_note,
     }
 
 
@@ -371,6 +386,7 @@ def _stage_from_obj(o: dict[str, Any]) -> StagePlan:
         layers=(int(o["layers"][0]), int(o["layers"][1])), remat=bool(o["remat"]),
         accumulate_axes=tuple(str(a) for a in o["accumulate_axes"]),
         local_loss_scale=float(o["local_loss_scale"]),
+        accumulate_note=str(o["accumulate_note"]),
     )
 
 
@@ -397,7 +413,9 @@ def _pipeline_to_obj(p: PipelineSpec | None):
             "layer_starts": list(p.layer_starts), "loss_scale": float(p.loss_scale),
             "forward_fingerprint": p.forward_fingerprint, "step_time_s": float(p.step_time_s),
             "bubble_fraction": float(p.bubble_fraction), "send_s": [float(x) for x in p.send_s],
-            "apply_s": float(p.apply_s), "reduce_s": float(p.reduce_s)}
+            "apply_s": float(p.apply_s), "reduce_s": float(p.reduce_s),
+            "update_stages": list(p.update_stages),
+            "inputs": [[i.stage, i.spec.to_json()] for i in p.inputs]}
 
 
 def _pipeline_from_obj(o) -> PipelineSpec | None:
@@ -408,7 +426,9 @@ def _pipeline_from_obj(o) -> PipelineSpec | None:
         layer_starts=tuple(int(x) for x in o["layer_starts"]), loss_scale=float(o["loss_scale"]),
         forward_fingerprint=str(o["forward_fingerprint"]), step_time_s=float(o["step_time_s"]),
         bubble_fraction=float(o["bubble_fraction"]), send_s=tuple(float(x) for x in o["send_s"]),
-        apply_s=float(o["apply_s"]), reduce_s=float(o["reduce_s"]))
+        apply_s=float(o["apply_s"]), reduce_s=float(o["reduce_s"]),
+        update_stages=tuple(int(s) for s in o["update_stages"]),
+        inputs=tuple(InputPlacement(int(s), TensorSpec.from_json(x)) for s, x in o["inputs"]))
 
 
 def _explanation_to_obj(e: Explanation) -> dict[str, Any]:

@@ -77,6 +77,10 @@ def plan_summary(plan, max_rows: int = 40) -> str:
         console.print("replicated (no sharding rule): " + ", ".join(plan.unsharded_primitives))
     if plan.gradient_sync:
         console.print(gradient_sync_table(plan))
+        for i, st in enumerate(plan.stages):
+            if st.accumulate_note:
+                console.print(f"stage {i} reduces its gradients in every backward: "
+                              f"{escape(st.accumulate_note)}")
     for i, st in enumerate(plan.stages):
         mesh = " x ".join(f"{n}={s}" for n, s in zip(st.axis_names, st.mesh_shape))
         console.print(f"\nstage {i}: devices {st.devices[0]}..{st.devices[-1]}  mesh {mesh}")

@@ -25,6 +25,7 @@ from typing import Mapping
 
 from alpa_lite.cost_models.cluster import Cluster, CollectiveKind
 from alpa_lite.errors import PlanningError
+from alpa_lite.ir.batch import batch_dims
 from alpa_lite.ir.graph import OpGraph, Role
 from alpa_lite.ir.step_parts import StageProgram, StepParts, local_forward, stage_program
 from alpa_lite.plan import Accumulation, GradientSync, StagePlan, SyncCollective
@@ -32,8 +33,15 @@ from alpa_lite.plan.sharding import CommModel, LogicalMesh, TensorSpec
 from alpa_lite.planning.intra_op import StageResult, collective_summaries
 
 
-_ORDER_DEPENDENT = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort",
-                              "top_k", "argsort", "argmax", "argmin"})
+@dataclasses.dataclass(frozen=True)
+class PlannedStage:
+    """One chosen stage as the pipeline planner hands it on: its index, program, logical
+    mesh, the intra-op result it came from and its plan so far."""
+    index: int
+    prog: StageProgram
+    mesh: LogicalMesh
+    result: StageResult
+    plan: StagePlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,60 +69,84 @@ def batch_axes(prog: StageProgram, stage: StagePlan, fwd_bdims: dict[int, int]) 
     return found or ()
 
 
-def splits_only_batch(prog: StageProgram, local: StageProgram, stage: StagePlan,
-                      mesh: LogicalMesh, axes: tuple[str, ...]) -> str | None:
-    """None when the per-replica program lines up with the stage's plan over `axes`; else
-    why not.
+def splits_only_batch(parts: StepParts, prog: StageProgram, local: StageProgram,
+                      stage: StagePlan, mesh: LogicalMesh, axes: tuple[str, ...],
+                      fwd_bdims: Mapping[int, int]) -> str | None:
+    """None when the stage's backward, run per replica over `axes`, sums to the backward
+    the plan runs; else why not.
 
-    A replica's share of a tensor is its slice along the one dimension that shrinks per
-    replica (the batch). What leaves the backward (parameter and activation gradients)
-    must be split as the plan says: over `axes` (major-most) on that dimension, and on no
-    other. What enters (parameters, activations, residuals, cotangents) may also be whole
-    over `axes`, since slicing a replicated value moves nothing. Inside, every tensor is
-    computed per replica: the micro-batch proof behind `local_forward` makes that exact,
-    and the plan's splits over the other axes still apply."""
+    Each replica runs the program traced at its share of the micro-batch on its slice of
+    what enters the backward, the slice along the tensor's batch dimension, which must be
+    the one dimension that shrinks per replica (`ir.batch.batch_dims` follows it through
+    reshapes and transposes; where it cannot, the slice could mix examples). A value
+    without the batch in it must not depend on the batch either (a layer's auxiliary loss
+    term handed to a later stage would be the whole micro-batch's on every replica); the
+    loss's cotangent is the exception, scaled by `local_loss_scale`. What leaves (the
+    gradients) must be split as the plan says: over `axes`, major-most, on the batch
+    dimension, and on no other; what enters may also be whole over `axes`, since slicing
+    a replicated value moves nothing."""
     g, gl = prog.fb.graph, local.fb.graph
     if len(g.tensors) != len(gl.tensors) or len(g.nodes) != len(gl.nodes):
         return "the program traced per replica has another structure"
-    # Scans and sorts along the tokens (e.g. a mixture of experts' capacity positions)
-    # differ per replica in ways the shape check does not see; a MoE layer's gradients
-    # came out different under a per-replica backward, so such stages reduce per
-    # micro-batch until the proof covers them.
-    ordered = {n.primitive for n in g.nodes} & _ORDER_DEPENDENT
-    if ordered:
-        return f"the stage runs {sorted(ordered)}, whose per-replica result is not proven"
     replicas = math.prod(mesh.axis_size(a) for a in axes)
     spec: dict[int, TensorSpec] = dict(stage.tensor_specs)
     spec.update(zip(g.inputs, stage.input_specs))
     spec.update(zip(g.outputs, stage.output_specs))
+    diff_outs = [t for t, d in zip(prog.outputs, prog.diff_outputs) if d]
+    seeds = dict(zip(prog.fb_acts, (fwd_bdims.get(t) for t in prog.acts)))
+    seeds.update(zip(prog.fb_cts, (fwd_bdims.get(t) for t in diff_outs)))
+    bdim = batch_dims(g, seeds)
+    # Values that depend on the batch: forward values from the step's batch leaves, and
+    # inside the program whatever they feed.
+    on_batch = _batch_dependent(parts.forward.graph)
+    dep = {t_fb for t_fb, t in zip(prog.fb_acts, prog.acts) if t in on_batch}
+    dep |= {t_fb for t_fb, t in zip(prog.fb_cts, diff_outs)
+            if t in on_batch and t != parts.forward.graph.outputs[0]}
+    for node in g.nodes:
+        if any(t in dep for t in node.inputs if t is not None):
+            dep.update(node.outputs)
     leaving = set(prog.fb_param_grads) | set(prog.fb_act_grads)
     entering = set(g.inputs) | (set() if stage.remat else set(prog.residuals))
     for t in g.tensors:
+        if t.id not in leaving and t.id not in entering:
+            continue
         shape, lshape = tuple(t.shape), tuple(gl.tensors[t.id].shape)
         if len(shape) != len(lshape):
             return f"{t.name} changes rank per replica"
-        if t.id not in leaving and t.id not in entering:
-            continue
-        if sum(a != b for a, b in zip(shape, lshape)) > 1:
-            return f"{t.name} shrinks on more than one dimension per replica"
+        shrunk = [i for i, (a, b) in enumerate(zip(shape, lshape)) if a != b]
+        if not shrunk and t.id in dep and t.id in entering:
+            return f"{t.name} {list(shape)} has no batch dimension but depends on the batch"
+        if len(shrunk) > 1 or shrunk and shape[shrunk[0]] != lshape[shrunk[0]] * replicas:
+            return f"{t.name} {list(shape)} does not split evenly over {replicas} replicas"
+        if shrunk and t.id in dep and shrunk != [bdim.get(t.id)]:
+            # (A value broadcast to the batch size without depending on the batch, such
+            # as a causal mask, is the same in every slice.)
+            return f"{t.name} {list(shape)} does not split along its batch dimension"
         s = spec.get(t.id, TensorSpec.replicated(len(shape)))
-        for full, part, dims in zip(shape, lshape, s.dims):
+        for i, dims in enumerate(s.dims):
             on_axes = any(a in axes for a in dims)
-            if full == part:
+            if i not in shrunk:
                 if on_axes:
                     return f"{t.name} is split over {axes} on a dimension that is not the batch"
-            elif full != part * replicas:
-                return f"{t.name} does not split evenly over {replicas} replicas"
             elif tuple(dims[:len(axes)]) != axes and (t.id in leaving or on_axes):
                 return (f"{t.name} {list(shape)} is not split over {axes} on its batch "
                         f"dimension (spec {s.dims})")
     return None
 
 
-def stage_sync(parts: StepParts, prog: StageProgram, result: StageResult, stage: StagePlan,
-               index: int, mesh: LogicalMesh, cluster: Cluster, fwd_bdims: dict[int, int],
-               names: dict[int, str]) -> StageSync:
-    """Decides how stage `index` syncs its gradients and prices it (module docstring)."""
+def _batch_dependent(forward: OpGraph) -> set[int]:
+    dep = {t.id for t in forward.tensors_with_role(Role.BATCH)}
+    for node in forward.nodes:
+        if any(t in dep for t in node.inputs if t is not None):
+            dep.update(node.outputs)
+    return dep
+
+
+def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
+               fwd_bdims: Mapping[int, int], names: Mapping[int, str]) -> StageSync:
+    """Decides how a stage syncs its gradients and prices it (module docstring)."""
+    prog, result, stage, index, mesh = (planned.prog, planned.result, planned.plan,
+                                        planned.index, planned.mesh)
     m = parts.num_micro_batches
     fb = prog.fb.graph
     out_spec = dict(zip(fb.outputs, stage.output_specs))
@@ -125,57 +157,60 @@ def stage_sync(parts: StepParts, prog: StageProgram, result: StageResult, stage:
         return int(tt.nbytes // out_spec[t].num_shards(mesh))
 
     axes = batch_axes(prog, stage, fwd_bdims) if m > 1 else ()
-    why = "one micro-batch" if m == 1 else "no mesh axis splits the batch"
-    scale = 1.0
-    if axes and any(mesh.axis_size(a) > 1 for a in mesh.axis_names if a not in axes):
-        # With tensor parallelism beside the batch axes, a MoE stage's gradients came out
-        # different under the per-replica backward (not yet understood): keep reducing
-        # per micro-batch there.
-        why = "the stage also splits over other axes"
-    elif axes:
-        replicas = math.prod(mesh.axis_size(a) for a in axes)
-        try:
-            local_fwd, scale = local_forward(parts, replicas)
-            why = splits_only_batch(prog, stage_program(local_fwd, prog.start, prog.stop),
-                                    stage, mesh, axes)
-        except PlanningError as e:
-            why = str(e)
-    if axes and why is None:
-        # The backward runs per device over `axes`: its collectives over them vanish.
-        bwd = set(prog.remat_nodes if stage.remat else prog.bwd_nodes)
-        kept, dropped = [], 0.0
-        for node, colls in result.node_collectives:
-            for c in colls:
-                if node in bwd and set(c.axes) <= set(axes):
-                    dropped += c.time_s
-                else:
-                    kept.append(c)
-        comm = CommModel(cluster, mesh)
-        total = sum(nbytes(g) for _, g in grads)
-        reduce_s = comm.all_reduce(total, axes)
-        records = tuple(GradientSync(
+    if not axes:
+        # Nothing splits the batch: there is nothing to reduce, whatever the micro-batches.
+        acc = Accumulation.SINGLE if m == 1 else Accumulation.LOCAL
+        return StageSync(stage, tuple(GradientSync(
+            param=names.get(p, fb.tensors[p].name), stage=index, accumulation=acc, axes=(),
+            collective=SyncCollective.NONE, compressor=None, nbytes=nbytes(g), count=0,
+            time_s=0.0) for p, g in grads), 0.0)
+    try:
+        local_fwd, scale = local_forward(parts, math.prod(mesh.axis_size(a) for a in axes))
+        local = stage_program(local_fwd, prog.start, prog.stop)
+        why = splits_only_batch(parts, prog, local, stage, mesh, axes, fwd_bdims)
+    except PlanningError as e:
+        why = str(e)
+    if why is not None:
+        # The backward reduces over the batch axes itself, once per micro-batch; its time
+        # is inside the stage's backward estimate.
+        return StageSync(dataclasses.replace(stage, accumulate_note=why), tuple(GradientSync(
             param=names.get(p, fb.tensors[p].name), stage=index,
-            accumulation=Accumulation.LOCAL, axes=axes, collective=SyncCollective.ALL_REDUCE,
-            compressor=None, nbytes=nbytes(g), count=1,
-            time_s=reduce_s * nbytes(g) / total if total else 0.0) for p, g in grads)
-        # The stage's forward/backward split is by FLOPs; what the split gave the backward
-        # may be less than its collectives: the rest comes off the forward's share.
-        backward = stage.backward_s - dropped
-        forward = stage.forward_s + min(backward, 0.0)
-        new = dataclasses.replace(
-            stage, collectives=collective_summaries(kept), comm_s=stage.comm_s - dropped,
-            forward_s=max(forward, 0.0), backward_s=max(backward, 0.0),
-            total_s=stage.total_s - dropped, accumulate_axes=axes, local_loss_scale=scale)
-        return StageSync(new, records, reduce_s)
-    # The backward reduces over the batch axes itself, once per micro-batch; its time is
-    # inside the stage's backward estimate.
-    acc = Accumulation.SINGLE if m == 1 else Accumulation.REDUCED
+            accumulation=Accumulation.REDUCED, axes=axes,
+            collective=SyncCollective.ALL_REDUCE, compressor=None, nbytes=nbytes(g),
+            count=m, time_s=0.0) for p, g in grads), 0.0)
+    # The backward runs per device over `axes`: its collectives over them vanish, but for
+    # the gradients of activations without the batch in them, summed over the replicas.
+    comm = CommModel(cluster, mesh)
+    bwd = set(prog.remat_nodes if stage.remat else prog.bwd_nodes)
+    kept, dropped = [], 0.0
+    for node, colls in result.node_collectives:
+        for c in colls:
+            if node in bwd and set(c.axes) <= set(axes):
+                dropped += c.time_s
+            else:
+                kept.append(c)
+    lg = local.fb.graph
+    for t in prog.fb_act_grads:
+        if tuple(fb.tensors[t].shape) == tuple(lg.tensors[t].shape):
+            c = comm.op(CollectiveKind.ALL_REDUCE, nbytes(t), axes)
+            kept.append(c)
+            dropped -= c.time_s
+    total = sum(nbytes(g) for _, g in grads)
+    reduce_s = comm.all_reduce(total, axes)
     records = tuple(GradientSync(
-        param=names.get(p, fb.tensors[p].name), stage=index, accumulation=acc, axes=axes,
-        collective=SyncCollective.ALL_REDUCE if axes else SyncCollective.NONE,
-        compressor=None, nbytes=nbytes(g), count=m if axes else 0, time_s=0.0)
-        for p, g in grads)
-    return StageSync(stage, records, 0.0)
+        param=names.get(p, fb.tensors[p].name), stage=index,
+        accumulation=Accumulation.LOCAL, axes=axes, collective=SyncCollective.ALL_REDUCE,
+        compressor=None, nbytes=nbytes(g), count=1,
+        time_s=reduce_s * nbytes(g) / total if total else 0.0) for p, g in grads)
+    # The stage's forward/backward split is by FLOPs; what the split gave the backward may
+    # be less than its collectives: the rest comes off the forward's share.
+    backward = stage.backward_s - dropped
+    forward = stage.forward_s + min(backward, 0.0)
+    new = dataclasses.replace(
+        stage, collectives=collective_summaries(kept), comm_s=stage.comm_s - dropped,
+        forward_s=max(forward, 0.0), backward_s=max(backward, 0.0),
+        total_s=stage.total_s - dropped, accumulate_axes=axes, local_loss_scale=scale)
+    return StageSync(new, records, reduce_s)
 
 
 # Operators a gradient passes through unchanged in kind after its partial sums are formed

@@ -39,10 +39,11 @@ from alpa_lite.ir.step_parts import StageProgram, StepParts, stage_program, stru
 from alpa_lite.plan import Alternative, Explanation, PipelineSpec, Plan, PlanningStats, StagePlan
 from alpa_lite.plan.methods import Auto, Manual
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec, itemsize
-from alpa_lite.planning.gradient_sync import stage_sync
+from alpa_lite.planning.gradient_sync import PlannedStage, stage_sync
 from alpa_lite.planning.intra_op import MeshMemo, StageResult, plan_stage
 from alpa_lite.planning.layers import forward_layers
 from alpa_lite.planning.spmd import manual_pins, solver_for
+from alpa_lite.planning.update_placement import place_update
 from alpa_lite.progress import CLUSTER, DP, ILPS, Progress, report
 from alpa_lite.solvers.stage_dp import (
     NoFeasiblePipelineError,
@@ -363,8 +364,10 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         raise TypeError(f"pipelined plans need al.Auto or al.Manual, got {method!r}")
     stages = []
     costs = []
+    progs = []
     for (a, b), mesh, remat, lean in chosen:
         prog = planner.program(bounds[a][0], bounds[b][1])
+        progs.append(prog)
         cost = planner.cost(prog, mesh, method if isinstance(method, Manual) else None, lean)
         st = cost.result.stage
         stages.append(dataclasses.replace(
@@ -377,10 +380,9 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
     # Gradients: accumulated per device and reduced once per step where the stage's batch
     # axes split nothing else (planning.gradient_sync).
     sync_records, reduce_s = [], []
-    for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
-        prog = planner.program(bounds[a][0], bounds[b][1])
-        sync = stage_sync(parts, prog, costs[s].result, stages[s], s, mesh, cluster,
-                          planner.fwd_bdims, planner.input_names(prog))
+    for s, (_, mesh, _, _) in enumerate(chosen):
+        sync = stage_sync(parts, PlannedStage(s, progs[s], mesh, costs[s].result, stages[s]),
+                          cluster, planner.fwd_bdims, planner.input_names(progs[s]))
         stages[s] = sync.stage
         sync_records.extend(sync.records)
         reduce_s.append(sync.reduce_s)
@@ -414,11 +416,13 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
                   for c in costs)
     # Each stage reduces its accumulated gradients after its last backward; the stages do
     # so side by side, so the slowest one's reduction is added to the step.
+    update_stages, inputs = place_update(parts, progs, stages)
     spec = PipelineSpec(num_micro_batches=m, schedule=method.schedule, layer_starts=tuple(starts),
                         loss_scale=parts.loss_scale, forward_fingerprint=fwd.fingerprint,
                         step_time_s=sim.step_time_s + max(reduce_s) + apply_s,
                         bubble_fraction=sim.bubble_fraction, send_s=tuple(sends),
-                        apply_s=apply_s, reduce_s=max(reduce_s))
+                        apply_s=apply_s, reduce_s=max(reduce_s),
+                        update_stages=update_stages, inputs=inputs)
     unsharded = tuple(sorted({p for c in costs for p in c.result.unsharded_primitives}))
     stats = PlanningStats(
         build_s=planner.build_s, solve_s=planner.solve_s,

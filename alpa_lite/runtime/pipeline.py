@@ -29,7 +29,13 @@ from alpa_lite.cost_models.pipeline_schedule import schedule_from_name, stage_or
 from alpa_lite.errors import PlanMismatchError
 from alpa_lite.ir.graph import Role
 from alpa_lite.ir.replay import replay
-from alpa_lite.ir.step_parts import StageProgram, StepParts, local_forward, stage_program
+from alpa_lite.ir.step_parts import (
+    StageProgram,
+    StepParts,
+    local_forward,
+    param_homes,
+    stage_program,
+)
 from alpa_lite.plan import Plan, StagePlan
 from alpa_lite.plan.sharding import TensorSpec
 from alpa_lite.runtime.distributed import on_every_process, place
@@ -117,8 +123,16 @@ class _Stage:
             body = backward_of(local, {t: auto(s) for t, s in stage.tensor_specs if s.rank},
                                {(n, p): auto(s) for n, p, s in stage.operand_specs if s.rank})
 
+            # An activation without the batch in it (e.g. a layer's auxiliary loss term)
+            # gets a partial cotangent from each replica: they are summed here, as the
+            # plan charges (`planning.gradient_sync`).
+            whole = [not any(a != b for a, b in zip(fb.tensors[t].shape, lfb.tensors[t].shape))
+                     for t in prog.fb_act_grads]
+
             def stacked(*args):
                 g_params, g_acts = body(*args)
+                g_acts = [jax.lax.psum(g, self.axes) if w else g
+                          for g, w in zip(g_acts, whole)]
                 return [g[None] for g in g_params], g_acts
 
             stack = PartitionSpec(self.axes)
@@ -180,13 +194,14 @@ class PipelineExecutable:
         # Fixed per plan: the order tasks are issued in, and where each gradient is summed.
         self.tasks = self._tasks(schedule_from_name(spec.schedule), len(self.stages),
                                  spec.num_micro_batches)
-        self.grad_sharding = {t: self._param_sharding(t) for t in self.param_home}
+        # Gradients are summed where their parameter lives.
+        outer_of = {t_f: t_o for t_o, t_f in self.fwd_of_outer.items()}
+        self.grad_sharding = {t: self.input_sharding[outer_of[t]] for t in self.param_home}
 
     # ---- where everything lives ---------------------------------------------------------
 
     def _layout(self) -> None:
         parts, fwd = self.parts, self.parts.forward.graph
-        S = len(self.stages)
         # Forward tensor -> the stage that makes it; and who reads what.
         self.maker: dict[int, int] = {}
         for s, st in enumerate(self.stages):
@@ -196,60 +211,29 @@ class PipelineExecutable:
         for s, st in enumerate(self.stages):
             for t in st.prog.acts:
                 self.readers.setdefault(t, []).append(s)
-        # Parameters: the home is the first stage that reads one; later readers get copies.
-        self.param_home: dict[int, int] = {}
-        for s, st in enumerate(self.stages):
-            for t in st.prog.params:
-                self.param_home.setdefault(t, s)
+        # Parameters: the home is the first stage that reads one (where the plan keeps
+        # it); later readers get copies.
+        self.param_home = param_homes([st.prog for st in self.stages])
         loss = fwd.outputs[0]
         self.loss_stage = self.maker[loss]
-        # The apply part: each outer node runs on the stage holding its largest placed
-        # operand (ties: the earlier stage), so big tensors stay where they are and only
-        # small values (a global gradient norm, a step count) move.
+        # The apply part runs where the plan says (planning.update_placement).
         outer = parts.outer.graph
         grad_node = outer.nodes[parts.grad_node]
-        fwd_of_outer = {t_o: t_f for t_f, t_o in zip(fwd.inputs, grad_node.inputs)
-                        if t_o is not None}
-        self.fwd_of_outer = fwd_of_outer
-        home: dict[int, int] = {}
+        self.fwd_of_outer = {t_o: t_f for t_f, t_o in zip(fwd.inputs, grad_node.inputs)
+                             if t_o is not None}
+        spec = self.plan.pipeline
+        if len(spec.update_stages) != len(parts.apply_nodes) or \
+                len(spec.inputs) != len(outer.inputs):
+            raise PlanMismatchError("the plan places another step's optimizer update "
+                                    "(operator or input counts differ); plan again")
+        node_home = dict(zip(parts.apply_nodes, spec.update_stages))
+        home: dict[int, int] = {t: p.stage for t, p in zip(outer.inputs, spec.inputs)}
         for k, t in enumerate(parts.grad_outputs()):
             home[t] = self.param_home[fwd.inputs[parts.call.grad_leaves[k]]]
         home[parts.value_output()] = self.loss_stage
-        for t_o, t_f in fwd_of_outer.items():
-            if t_f in self.param_home:
-                home[t_o] = self.param_home[t_f]
-        node_home: dict[int, int] = {}
-        deferred = []
-        for nid in parts.apply_nodes:
-            node = outer.nodes[nid]
-            placed = [(outer.tensors[t].nbytes, -home[t]) for t in node.inputs
-                      if t is not None and t in home]
-            if placed:
-                node_home[nid] = -max(placed)[1]
-                for t in node.outputs:
-                    home[t] = node_home[nid]
-            else:
-                deferred.append(nid)
-        # A node reading only unplaced step inputs (e.g. an optimizer's step counter) runs
-        # with its first reader, else on the last stage.
-        for nid in reversed(deferred):
-            node = outer.nodes[nid]
-            readers = [node_home[c] for t in node.outputs for c in outer.consumers(t)
-                       if c in node_home]
-            node_home[nid] = min(readers) if readers else S - 1
-            for t in node.outputs:
-                home[t] = node_home[nid]
-        # Step inputs not placed yet live with their first reader (or with the output
-        # tied to them, so a training loop hands them back where they are needed).
-        for pos, t in enumerate(outer.inputs):
-            if t in home:
-                continue
-            tied = [o for o, tie in zip(outer.outputs, outer.output_ties) if tie == pos]
-            if tied and outer.producer(tied[0]) in node_home:
-                home[t] = node_home[outer.producer(tied[0])]
-            else:
-                readers = [node_home[c] for c in outer.consumers(t) if c in node_home]
-                home[t] = min(readers) if readers else 0
+        for nid, s in node_home.items():
+            for t in outer.nodes[nid].outputs:
+                home[t] = s
         self.home = home
         # Levels: a node one hop from a value made on another stage runs a level later.
         level: dict[int, int] = {}
@@ -278,65 +262,27 @@ class PipelineExecutable:
             self.segments.append((s, nodes, ins, made))
         for s, nodes, ins, made in self.segments:
             needed_later.update(ins)
+        # Shardings of step inputs at home.
+        self.input_sharding = {t: self.stages[p.stage].sharding(p.spec)
+                               for t, p in zip(outer.inputs, spec.inputs)}
         self.segment_fns = []
         for s, nodes, ins, made in self.segments:
             outs = [t for t in sorted(made) if t in needed_later]
             self.segment_fns.append((s, nodes, ins, outs, self._segment_fn(s, nodes, ins, outs)))
-        # Shardings of step inputs at home.
-        self.input_sharding = {t: self._home_sharding(t) for t in outer.inputs}
         self.batch_inputs = {t for t, b in zip(fwd.inputs, parts.batch_inputs) if b}
-
-    def _param_spec(self, t_fwd: int) -> tuple[int, TensorSpec]:
-        s = self.param_home[t_fwd]
-        st = self.stages[s]
-        idx = st.prog.params.index(t_fwd)
-        return s, st.spec[st.prog.fb_params[idx]]
-
-    def _home_sharding(self, t_outer: int) -> NamedSharding:
-        outer = self.parts.outer.graph
-        s = self.home[t_outer]
-        st = self.stages[s]
-        node = outer.nodes[self.parts.grad_node]
-        fwd = self.parts.forward.graph
-        for t_f, t_o in zip(fwd.inputs, node.inputs):
-            if t_o == t_outer and t_f in self.param_home:
-                return st.sharding(self._param_spec(t_f)[1])
-        tensor = outer.tensors[t_outer]
-        # Optimizer state mirrors the parameters: the parameter of that stage whose path ends
-        # the leaf's path (mu/blocks/0/w ~ params/blocks/0/w) gives its sharding.
-        best = None
-        for t_f, t_o in zip(fwd.inputs, node.inputs):
-            if t_f not in self.param_home or self.param_home[t_f] != s or t_o is None:
-                continue
-            p = outer.tensors[t_o]
-            if p.shape != tensor.shape:
-                continue
-            suffix = p.name.split("/", 1)[-1]
-            if tensor.name.endswith(suffix):
-                return st.sharding(self._param_spec(t_f)[1])
-            best = best or t_f
-        return st.sharding(TensorSpec.replicated(len(tensor.shape))) if best is None \
-            else st.sharding(self._param_spec(best)[1])
 
     def input_shardings(self, *args):
         """The sharding each argument leaf should have, as a pytree shaped like `args`
         (arrays or ShapeDtypeStructs); compiles nothing.
 
-        Parameters, optimizer state and other step inputs: at their home stage
-        (`input_sharding`), where a training loop gets them back from the previous step.
-        Batch leaves: on the first stage that reads them, split as that stage wants each
-        micro-batch (e.g. over its data-parallel axis); micro-batches are slices of the
-        leading dimension, so the whole batch divides the same way.
+        Where the plan keeps each (`PipelineSpec.inputs`): parameters, optimizer state and
+        other step inputs at their home stage, where a training loop gets them back from
+        the previous step; batch leaves on the first stage that reads them, split as it
+        reads each micro-batch (micro-batches are slices of the leading dimension, so the
+        whole batch divides the same way).
         """
-        flat = []
-        for t in self.parts.outer.graph.inputs:
-            sharding = self.input_sharding[t]
-            t_f = self.fwd_of_outer.get(t)
-            if t_f in self.batch_inputs and t_f in self.readers:
-                st = self.stages[self.readers[t_f][0]]
-                sharding = st.act_in[st.prog.acts.index(t_f)]
-            flat.append(sharding)
-        return shardings_like(args, flat)
+        return shardings_like(args, [self.input_sharding[t]
+                                     for t in self.parts.outer.graph.inputs])
 
     def collectives(self, *args) -> tuple[CompiledCollective, ...]:
         """What one step runs, from the compiled stage programs: each stage's forward and
@@ -382,7 +328,7 @@ class PipelineExecutable:
         shardings = []
         for t in outs:
             if t in tied_out:
-                shardings.append(self._home_sharding(outer.graph.inputs[tied_out[t]]))
+                shardings.append(self.input_sharding[outer.graph.inputs[tied_out[t]]])
             else:
                 shardings.append(None)
         return jax.jit(run, out_shardings=shardings)
@@ -513,10 +459,6 @@ class PipelineExecutable:
     def _output_spec(self, t: int) -> TensorSpec:
         st = self.stages[self.maker[t]]
         return st.spec[st.prog.fb_outputs[st.prog.outputs.index(t)]]
-
-    def _param_sharding(self, t_fwd: int) -> NamedSharding:
-        s, spec = self._param_spec(t_fwd)
-        return self.stages[s].sharding(spec)
 
     def _tasks(self, schedule, S: int, m: int) -> list[tuple[str, int, int]]:
         """Every (kind, stage, micro-batch) in an order that respects the schedule on each
