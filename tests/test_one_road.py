@@ -115,3 +115,46 @@ def test_plan_method_is_a_record():
     assert plan.method == method
     assert al.Plan.from_json(plan.to_json()).method == method
     assert "Manual(dp=2, tp=2, pp=2, num_micro_batches=2)" in plan.summary()
+
+
+def test_optimizer_update_and_state_placed_by_the_plan():
+    # Adam's moments follow their parameter's sharding through the update's data flow.
+    mod = importlib.import_module("gpt")
+    cfg = mod.CONFIGS["tiny"]
+    tx = optax.adamw(1e-3)
+    params = mod.init_params(cfg, jax.random.PRNGKey(0))
+    args = (params, tx.init(params), mod.make_batch(cfg, cfg.batch_size, jax.random.PRNGKey(1)))
+    step = al.parallelize(mod.make_train_step(cfg, tx),
+                          method=al.Manual(dp=2, tp=2, pp=2, num_micro_batches=2))
+    plan = step.plan(*args)
+    spec = plan.pipeline
+    leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+    assert len(spec.inputs) == len(leaves)
+    assert len(spec.update_stages) > 0
+    where = {jax.tree_util.keystr(path): p for (path, _), p in zip(leaves, spec.inputs)}
+    split = [k for k, p in where.items() if k.startswith("[0]") and not p.spec.is_replicated()]
+    assert split, "the tp=2 plan splits some parameters"
+    for k in split:
+        name = k[len("[0]"):]
+        moments = [p for q, p in where.items() if q.startswith("[1]") and q.endswith(name)]
+        assert len(moments) == 2, (k, moments)          # mu and nu
+        assert all(m == where[k] for m in moments), (k, moments, where[k])
+    # The runtime places the arguments exactly where the plan says.
+    exe = step.compile(*args)
+    for (path, _), sh, p in zip(leaves, jax.tree.leaves(exe.input_shardings(*args)),
+                                spec.inputs):
+        assert sh.mesh.devices.flat[0] is jax.devices()[plan.stages[p.stage].devices[0]]
+    assert al.Plan.from_json(plan.to_json()) == plan
+
+
+def test_a_stage_that_cannot_accumulate_locally_says_why():
+    # The MoE's auxiliary loss is one scalar for the whole micro-batch, handed from stage
+    # to stage: those stages reduce per micro-batch, and the plan says why.
+    step_fn, args = example_step("moe")
+    plan = al.parallelize(step_fn, method=al.Manual(dp=2, pp=4, num_micro_batches=2)
+                          ).plan(*args)
+    notes = [st.accumulate_note for st in plan.stages if not st.accumulate_axes]
+    assert notes and all("depends on the batch" in n for n in notes)
+    reduced = [g for g in plan.gradient_sync if g.accumulation is Accumulation.REDUCED]
+    assert reduced and all(g.count == 2 for g in reduced)
+    assert "reduces its gradients in every backward" in plan.summary()
