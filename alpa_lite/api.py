@@ -170,9 +170,10 @@ class ParallelizedStep:
     def executable(self, *args) -> Executable:
         """The compiled executable for these arguments on the local devices."""
         cluster = self.cluster or Cluster.local()
-        local = Cluster.local()
         # The local devices may be described as another grouping into nodes (e.g. to run
-        # a two-node plan on one machine's devices), or by calibrated figures.
+        # a two-node plan on one machine's devices), or by calibrated figures; a device
+        # without a datasheet row runs with the description the user gave.
+        local = Cluster.local(allow_unknown=self.cluster is not None)
         same_devices = cluster.can_run_on(local)
         if not same_devices:
             raise PlanMismatchError(
