@@ -60,7 +60,7 @@ class ParallelizedStep:
         self._executables: dict[Any, Executable] = {}
         functools.update_wrapper(self, fn)
 
-    def _batch_argnums(self, nargs: int) -> tuple[int, ...]:
+    def resolve_batch_argnums(self, nargs: int) -> tuple[int, ...]:
         if nargs == 0:
             raise TypeError("a parallelized step needs positional arguments (params, ..., batch)")
         nums = self.batch_argnums if self.batch_argnums is not None else (nargs - 1,)
@@ -87,7 +87,7 @@ class ParallelizedStep:
         """Traces the step for these arguments (arrays or ShapeDtypeStructs)."""
         key = self._signature(args)
         if key not in self._traces:
-            self._traces[key] = trace(self.fn, args, self._batch_argnums(len(args)))
+            self._traces[key] = trace(self.fn, args, self.resolve_batch_argnums(len(args)))
         return self._traces[key]
 
     def _micro_batches(self) -> int | None:
@@ -106,7 +106,7 @@ class ParallelizedStep:
         """The step split for pipelining (loss function per micro-batch, apply part)."""
         key = (self._signature(args), self._micro_batches())
         if key not in self._parts:
-            self._parts[key] = split_step(self.fn, args, self._batch_argnums(len(args)),
+            self._parts[key] = split_step(self.fn, args, self.resolve_batch_argnums(len(args)),
                                           self._micro_batches())
         return self._parts[key]
 
@@ -152,7 +152,7 @@ class ParallelizedStep:
             # Workers are to the batch what micro-batches are: the same check proves
             # the loss combines exactly (a mean or a sum over examples).
             try:
-                workers = split_step(self.fn, args, self._batch_argnums(len(args)),
+                workers = split_step(self.fn, args, self.resolve_batch_argnums(len(args)),
                                      cluster.num_devices)
             except PlanningError as e:
                 raise PlanningError(
@@ -189,7 +189,7 @@ class ParallelizedStep:
 
     def program(self, plan: Plan, *args) -> StepProgram:
         """What the runtime needs of this step to run `plan` on these arguments."""
-        nums = self._batch_argnums(len(args))
+        nums = self.resolve_batch_argnums(len(args))
         common = dict(fn=self.fn, batch_argnums=nums, on_nonfinite=self.on_nonfinite,
                       compression_seed=self.compression_seed)
         if plan.pipeline is not None:

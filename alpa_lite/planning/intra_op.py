@@ -1,6 +1,6 @@
 """Intra-operator planning: the sharding ILP of one stage on one logical mesh.
 
-`plan_stage(graph, mesh, cluster, pins, ...)` builds Alpa's intra-op problem from the graph,
+`plan_stage(graph, mesh, cluster, options)` builds Alpa's intra-op problem from the graph,
 hands it to `alpa_lite.solvers.sharding_ilp` and turns the solution into a `StagePlan`:
 
 - strategies of every unit (`alpa_lite.planning.strategies`), merged into groups of followers
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Mapping
 
 import numpy as np
 
@@ -130,32 +131,35 @@ def _live_at_peak(graph: OpGraph) -> set[int]:
     return best_set
 
 
-def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
-               pin: InputPin | None = None, node_pin: NodePin | None = None,
-               memory_budget_bytes: float | None = None,
-               solver: Solver = Solver.HIGHS, time_limit_s: float = 60.0,
-               tensor_names: dict[int, str] | None = None,
-               tie_repeated: bool = True,
-               param_memory_factor: float = 1.0,
-               solve: bool = True,
-               memo: "MeshMemo | None" = None) -> "StageResult | BuiltStage":
-    """Solves the intra-op sharding problem of `graph` on `mesh`.
+@dataclasses.dataclass(frozen=True)
+class StageOptions:
+    """How a stage's intra-op problem is built and solved.
 
-    Args:
-      graph: the traced program.
-      mesh: the logical mesh (device block and axis names).
-      cluster: for compute and collective costs.
+    Attributes:
       pin: restricts the specs of input tensors (Manual and DataParallel plans).
       node_pin: restricts the strategies of operators (Manual plans).
-      memory_budget_bytes: per-device limit, or None.
       solver, time_limit_s: for the ILP.
       tensor_names: readable names for the sharding table (default: tensor names).
       tie_repeated: give structurally identical groups (the same operator in each of a
         model's repeated layers) one shared choice; see `repeated_group_classes`.
       param_memory_factor: bytes counted per parameter byte in the memory model (e.g. 4 for
         a parameter, its gradient and Adam's two moments, which live as long as it does).
-      solve: False returns the built problem (`BuiltStage`), to solve under several budgets.
-      memo: work shared with other graphs planned on the same mesh shape and cluster.
+    """
+    pin: InputPin | None = None
+    node_pin: NodePin | None = None
+    solver: Solver = Solver.HIGHS
+    time_limit_s: float = 60.0
+    tensor_names: Mapping[int, str] | None = None
+    tie_repeated: bool = True
+    param_memory_factor: float = 1.0
+
+
+def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster,
+               options: StageOptions = StageOptions(),
+               memory_budget_bytes: float | None = None,
+               memo: "MeshMemo | None" = None) -> "StageResult":
+    """Solves the intra-op sharding problem of `graph` on `mesh` within
+    `memory_budget_bytes` per device (None: no limit): `build_stage`, then solve.
 
     Returns:
       The `StageResult`, whose `stage` is ready for the runtime.
@@ -164,7 +168,28 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
       PlanningError: no strategy choice fits `memory_budget_bytes` (the message says the
         smallest peak memory any choice reaches) or a pin admits no sharding.
     """
+    return build_stage(graph, mesh, cluster, options, memo).solve(memory_budget_bytes)
+
+
+def build_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster,
+                options: StageOptions = StageOptions(),
+                memo: "MeshMemo | None" = None) -> "BuiltStage":
+    """Builds the intra-op sharding problem of `graph` on `mesh`, to solve under one or
+    several memory budgets (`BuiltStage.solve`).
+
+    Args:
+      graph: the traced program.
+      mesh: the logical mesh (device block and axis names).
+      cluster: for compute and collective costs.
+      options: pins, solver and memory model (`StageOptions`).
+      memo: work shared with other graphs planned on the same mesh shape and cluster.
+
+    Raises:
+      PlanningError: a pin admits no sharding.
+    """
     t0 = time.perf_counter()
+    pin, node_pin, param_memory_factor = (options.pin, options.node_pin,
+                                          options.param_memory_factor)
     comm = CommModel(cluster, mesh)
     if memo is not None:
         memo.check(mesh, cluster)
@@ -256,12 +281,12 @@ def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, *,
         pu = units.producer_unit(tid)
         add_edge(pu, units.out_index(pu, tid), graph.tensors[tid], iu, "out", 0)
 
-    cls = repeated_group_classes(graph, units, groups, edges) if tie_repeated \
+    cls = repeated_group_classes(graph, units, groups, edges) if options.tie_repeated \
         else list(range(len(groups)))
     problem = _tied_problem(graph, units, groups, edges, cls, None)
-    built = BuiltStage(graph, mesh, cluster, units, groups, group_of, cls, problem, cache,
-                       tensor_names, solver, time_limit_s, time.perf_counter() - t0)
-    return built.solve(memory_budget_bytes) if solve else built
+    return BuiltStage(graph, mesh, cluster, units, groups, group_of, cls, problem, cache,
+                      dict(options.tensor_names or {}), options.solver, options.time_limit_s,
+                      time.perf_counter() - t0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -304,9 +329,7 @@ class BuiltStage:
                 f"{e.budget_bytes / 2**30:.2f} GiB per device: the smallest peak memory any "
                 f"plan reaches is {e.min_memory_bytes / 2**30:.2f} GiB. Use more devices, a "
                 "smaller batch, or raise the budget") from None
-        stage, by_node = _assemble(self.graph, self.units, self.groups, self.group_of,
-                                   sol.choices, mesh, self.cluster, self.cache,
-                                   self.tensor_names)
+        stage, by_node = _assemble(self, sol.choices)
         units = self.units
         return StageResult(stage=stage, objective_s=sol.objective_s,
                            unsharded_primitives=tuple(sorted(units.unsharded)),
@@ -362,8 +385,11 @@ def collective_summaries(colls) -> tuple[CollectiveSummary, ...]:
                  for (k, a, n), (cnt, t) in sorted(summary.items()))
 
 
-def _assemble(graph, units, groups, group_of, choices, mesh, cluster, cache,
-              names) -> tuple[StagePlan, dict[int, tuple[CollectiveOp, ...]]]:
+def _assemble(built: "BuiltStage", choices
+              ) -> tuple[StagePlan, dict[int, tuple[CollectiveOp, ...]]]:
+    """The stage plan of one solution, and the collectives it runs per graph node."""
+    graph, units, groups, group_of = built.graph, built.units, built.groups, built.group_of
+    mesh, names = built.mesh, built.tensor_names
     off = units.offset
     chosen: list[Strategy] = []
     for u in range(len(units.strategies)):

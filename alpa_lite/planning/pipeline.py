@@ -40,7 +40,7 @@ from alpa_lite.plan import Alternative, Explanation, PipelineSpec, Plan, Plannin
 from alpa_lite.plan.methods import Auto, Manual
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec, itemsize
 from alpa_lite.planning.gradient_sync import PlannedStage, stage_sync
-from alpa_lite.planning.intra_op import MeshMemo, StageResult, plan_stage
+from alpa_lite.planning.intra_op import BuiltStage, MeshMemo, StageOptions, StageResult, build_stage
 from alpa_lite.planning.layers import forward_layers
 from alpa_lite.planning.spmd import manual_pins, solver_for
 from alpa_lite.planning.update_placement import place_update
@@ -181,9 +181,9 @@ class PipelinePlanner:
         report(self.progress, ILPS, done, total)
 
     def build(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
-              lean: bool, solve: bool = True):
-        """The intra-op problem of a range on a logical mesh, as `cost` plans it: solved
-        (`StageResult`), or with `solve=False` built only (`BuiltStage`, for explain)."""
+              lean: bool) -> BuiltStage:
+        """The intra-op problem of a range on a logical mesh, as `cost` plans it (built,
+        not solved: `cost` solves it, `explain` shows it)."""
         fb = prog.fb.graph
         pin = node_pin = None
         if manual is not None:
@@ -193,15 +193,16 @@ class PipelinePlanner:
         with self._lock:
             memo = self.memos.setdefault((mesh.shape, mesh.axis_names),
                                          MeshMemo.for_mesh(mesh, self.cluster))
-        return plan_stage(fb, mesh, self.cluster, pin=pin, node_pin=node_pin,
-                          solver=self.solver, time_limit_s=self.time_limit_s,
-                          tensor_names=self.input_names(prog),
-                          param_memory_factor=2.0 + self.opt_ratio, memo=memo, solve=solve)
+        options = StageOptions(pin=pin, node_pin=node_pin, solver=self.solver,
+                               time_limit_s=self.time_limit_s,
+                               tensor_names=self.input_names(prog),
+                               param_memory_factor=2.0 + self.opt_ratio)
+        return build_stage(fb, mesh, self.cluster, options, memo)
 
     def _plan(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
               lean: bool) -> StageCost:
         fb = prog.fb.graph
-        res = self.build(prog, mesh, manual, lean)
+        res = self.build(prog, mesh, manual, lean).solve()
         with self._lock:
             self.ilps += 1
             self.build_s += res.build_s

@@ -27,7 +27,7 @@ from alpa_lite.plan import Alternative, Explanation, Plan, PlanningStats
 from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, SolverChoice
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
 from alpa_lite.planning.gradient_sync import single_stage_sync
-from alpa_lite.planning.intra_op import StageResult, plan_stage
+from alpa_lite.planning.intra_op import StageOptions, StageResult, plan_stage
 from alpa_lite.progress import ILPS, Progress, report
 from alpa_lite.solvers.sharding_ilp import Solver
 
@@ -216,6 +216,8 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
     else:
         method_m = method
     results: list[tuple[LogicalMesh, StageResult]] = []
+    options = StageOptions(solver=solver_for(method_m.solver),
+                           time_limit_s=method_m.time_limit_s, tensor_names=tensor_names)
     failures: list[PlanningError] = []
     if isinstance(method_m, Manual):
         if method_m.num_devices != n:
@@ -228,9 +230,8 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
                                      method_m.shard_optimizer_state,
                                      split_batch=isinstance(method, DataParallel))
         report(progress, ILPS, 0, 1)
-        res = plan_stage(graph, mesh, cluster, pin=pin, node_pin=node_pin,
-                         memory_budget_bytes=None, solver=solver_for(method_m.solver),
-                         time_limit_s=method_m.time_limit_s, tensor_names=dict(tensor_names or {}))
+        res = plan_stage(graph, mesh, cluster, dataclasses.replace(options, pin=pin,
+                                                                   node_pin=node_pin))
         results.append((mesh, res))
         report(progress, ILPS, 1, 1)
     elif isinstance(method_m, Auto):
@@ -243,10 +244,7 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
                                  f"the {n} devices of cluster {cluster.name!r}")
             mesh = LogicalMesh(tuple(shape), ("x", "y"))
             try:
-                res = plan_stage(graph, mesh, cluster, memory_budget_bytes=budget,
-                                 solver=solver_for(method_m.solver),
-                                 time_limit_s=method_m.time_limit_s,
-                                 tensor_names=dict(tensor_names or {}))
+                res = plan_stage(graph, mesh, cluster, options, memory_budget_bytes=budget)
             except PlanningError as e:
                 failures.append(e)
                 report(progress, ILPS, i + 1, len(shapes))

@@ -91,6 +91,7 @@ pipelines come within 1 % of the best (a strong cross-node penalty, B = 64 or 12
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -742,6 +743,7 @@ def _solve_for_t_max(table: _StageTable, tau: float, thr: float, bounds: _Bounds
     idx = idx[table.move_lat[idx] <= tau]
     mk, mj, ml = table.move_k[idx], table.move_j[idx], table.move_lat[idx]
     slo, shi, msize = table.move_slo[idx], table.move_shi[idx], table.sizes[table.move_m[idx]]
+    moves = _Moves(mk, msize, ml, lb, D)
 
     num_keys = (L + 1) * (D + 1)  # state (k, d) has key k·(D+1) + d
     best_cost = np.full(num_keys, np.inf)  # least F over the levels so far, per (k, d)
@@ -783,12 +785,13 @@ def _solve_for_t_max(table: _StageTable, tau: float, thr: float, bounds: _Bounds
         cuts = np.append(cuts, cand.size)
         for a, b in zip(cuts[:-1], cuts[1:]):
             if a < b:
-                pieces.append(_expand(cand[a:b], g[a:b], per_move[a:b], starts, front_d,
-                                      front_v, mk, msize, ml, lb, D, limit, s == cap))
-        keys = np.concatenate([p[0] for p in pieces])
-        vals = np.concatenate([p[1] for p in pieces])
-        prev = np.concatenate([p[2] for p in pieces])
-        move = np.concatenate([p[3] for p in pieces])
+                pieces.append(_expand(cand[a:b], g[a:b], per_move[a:b],
+                                      _Front(starts, front_d, front_v), moves, limit,
+                                      s == cap))
+        keys = np.concatenate([p.keys for p in pieces])
+        vals = np.concatenate([p.vals for p in pieces])
+        prev = np.concatenate([p.prev for p in pieces])
+        move = np.concatenate([p.move for p in pieces])
         if keys.size == 0:
             break
         # One state per (k, d): least cost, then earliest move (cut, submesh, option).
@@ -828,22 +831,50 @@ def _solve_for_t_max(table: _StageTable, tau: float, thr: float, bounds: _Bounds
     return _DPResult(sum_s=total, moves=tuple(chain))
 
 
-def _expand(cand, g, per_move, starts, front_d, front_v, mk, msize, ml, lb, D, limit, last):
-    """Pair each candidate move with every state of its group; keep those within the bound.
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Front:
+    """The DP's states at one level, grouped by layers left: group i is states
+    starts[i] ..., each with devices used `d` and cost `v`."""
+    starts: np.ndarray
+    d: np.ndarray
+    v: np.ndarray
 
-    Returns (key = k·(D+1) + d, value, predecessor index in the front, move index).
-    """
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Moves:
+    """The moves of one t_max's DP: per move the layers left after it (`k`), its devices
+    (`size`) and latency (`lat`); `lb[k, e]` bounds what k layers on e devices still cost;
+    `D` devices in all."""
+    k: np.ndarray
+    size: np.ndarray
+    lat: np.ndarray
+    lb: np.ndarray
+    D: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Expansion:
+    """New states: key = k·(D+1) + d, value, predecessor index in the front, move index."""
+    keys: np.ndarray
+    vals: np.ndarray
+    prev: np.ndarray
+    move: np.ndarray
+
+
+def _expand(cand, g, per_move, front: _Front, moves: _Moves, limit, last) -> _Expansion:
+    """Pair each candidate move with every state of its group; keep those within the bound."""
+    D = moves.D
     rep = np.repeat(np.arange(cand.size), per_move)
     offset = np.arange(rep.size) - np.repeat(np.cumsum(per_move) - per_move, per_move)
-    src = starts[g][rep] + offset
+    src = front.starts[g][rep] + offset
     move = cand[rep]
-    k = mk[move]
-    d = front_d[src] + msize[move]
-    v = front_v[src] + ml[move]
+    k = moves.k[move]
+    d = front.d[src] + moves.size[move]
+    v = front.v[src] + moves.lat[move]
     ok = np.where(k == 0, d == D, (d <= D - 1) & ~np.bool_(last))
     rem = np.clip(D - d, 0, D)
-    ok &= v + lb[k, rem] <= limit
-    return k[ok] * (D + 1) + d[ok], v[ok], src[ok], move[ok]
+    ok &= v + moves.lb[k, rem] <= limit
+    return _Expansion(k[ok] * (D + 1) + d[ok], v[ok], src[ok], move[ok])
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ Two levels, answered from different places:
   minutes (GPT-39B on 64 GPUs: 38 s) while its alternatives are a few hundred bytes, and a
   plan JSON can be explained on a machine that has neither the model nor the time.
 - An operator (`--op NAME`): the intra-op problem of its stage is built again
-  (`plan_stage(..., solve=False)`, seconds) from the step (the plan's recorded source, or
+  (`build_stage`, seconds) from the step (the plan's recorded source, or
   one named on the command line), the plan's shardings are mapped back onto that problem's
   strategy choices, and each strategy of the operator's ILP node is costed with
   `solvers.sharding_ilp.evaluate`, every other choice held as the plan has it. The
@@ -37,7 +37,7 @@ from alpa_lite.plan import Plan, StagePlan
 from alpa_lite.plan.methods import Auto, DataParallel, Manual
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
 from alpa_lite.plan.text import fmt_bytes
-from alpa_lite.planning.intra_op import BuiltStage, plan_stage
+from alpa_lite.planning.intra_op import BuiltStage, StageOptions, build_stage
 from alpa_lite.planning.pipeline import PipelinePlanner, forward_names, layer_node_ranges
 from alpa_lite.planning.spmd import manual_pins
 from alpa_lite.solvers.sharding_ilp import Solver, evaluate
@@ -174,12 +174,11 @@ def rebuild_stage(plan: Plan, step_fn, args, cluster: Cluster, stage: int = 0,
             pin, node_pin = manual_pins(graph, dp, tp,
                                         getattr(plan.method, "shard_optimizer_state", False),
                                         split_batch=isinstance(plan.method, DataParallel))
-            return plan_stage(graph, mesh, cluster, pin=pin, node_pin=node_pin,
-                              memory_budget_bytes=None, tensor_names=names, solve=False)
-        return plan_stage(graph, mesh, cluster, memory_budget_bytes=cluster.device.memory_bytes,
-                          tensor_names=names, solve=False)
+            return build_stage(graph, mesh, cluster, StageOptions(pin=pin, node_pin=node_pin,
+                                                                  tensor_names=names))
+        return build_stage(graph, mesh, cluster, StageOptions(tensor_names=names))
     p = plan.pipeline
-    parts = split_step(step_fn, args, base._batch_argnums(len(args)), p.num_micro_batches)
+    parts = split_step(step_fn, args, base.resolve_batch_argnums(len(args)), p.num_micro_batches)
     _check_program(plan.program_fingerprint, parts.outer.fingerprint)
     outer = parts.outer.graph
     names = {t.id: t.name for t in outer.tensors if t.role is not Role.ACTIVATION}
@@ -194,7 +193,7 @@ def rebuild_stage(plan: Plan, step_fn, args, cluster: Cluster, stage: int = 0,
     pins = Manual(dp=st.mesh_shape[0], tp=st.mesh_shape[1]) if manual else None
     # A memory-lean stage only narrowed the parameters' choices: its choice is in the
     # unpinned problem too, which also shows what the lean pin ruled out.
-    return planner.build(prog, mesh, pins, False, solve=False)
+    return planner.build(prog, mesh, pins, False)
 
 
 def _check_program(planned: str, now: str) -> None:
