@@ -77,7 +77,7 @@ def code_version() -> dict[str, Any]:
         except (OSError, subprocess.CalledProcessError):
             return "unknown"
 
-    dirty = git("status", "--porcelain", "--", "alpa_lite", "cost_models", "solvers", "examples")
+    dirty = git("status", "--porcelain", "--", "alpa_lite", "examples")
     return {"git_commit": git("rev-parse", "HEAD"),
             "uncommitted_changes": dirty.splitlines() if dirty != "unknown" else "unknown"}
 

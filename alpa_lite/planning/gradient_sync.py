@@ -7,14 +7,15 @@ backward can instead run per device over those mesh axes (the *accumulation axes
 device sums its own partial gradients over the micro-batches and the stage reduces them
 once after its last backward, as Megatron, DeepSpeed and Alpa do.
 
-That is exact when the axes split the batch and nothing else: every tensor of the stage's
-forward+backward program is split over them on its batch dimension (major-most) or not at
-all. The check traces the loss at 1/replicas of the micro-batch (`ir.step_parts.
-local_forward`, which also proves the split keeps the loss exact) and compares every
-tensor's shape there with its spec here. Where it fails, the stage keeps reducing in each
-backward; either way the Plan records what runs (`GradientSync`) and the estimate charges
-it: collectives over the accumulation axes leave the per-micro-batch backward, one
-reduction of the stage's gradients joins the step.
+Each replica replays the stage program traced at its share of the micro-batch
+(`ir.step_parts.local_forward`, which also proves the split keeps the loss exact) on its
+slice of what enters the backward. That sums to the plan's backward when every value
+crossing into or out of it is sliced along its batch dimension, or holds no batch at all
+(`splits_only_batch` says which value breaks it, e.g. a layer's auxiliary loss term
+handed between stages). Where it fails, the stage keeps reducing in each backward and says
+why (`StagePlan.accumulate_note`); either way the Plan records what runs (`GradientSync`)
+and the estimate charges it: collectives over the accumulation axes leave the
+per-micro-batch backward, one reduction of the stage's gradients joins the step.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class StageSync:
     reduce_s: float
 
 
-def batch_axes(prog: StageProgram, stage: StagePlan, fwd_bdims: dict[int, int]) -> tuple[str, ...]:
+def batch_axes(prog: StageProgram, stage: StagePlan,
+               fwd_bdims: Mapping[int, int]) -> tuple[str, ...]:
     """The mesh axes that split the batch dimension of every batch-carrying stage input
     (major first); () when the inputs disagree or none carries the batch."""
     spec = dict(zip(prog.fb.graph.inputs, stage.input_specs))

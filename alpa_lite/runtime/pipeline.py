@@ -66,7 +66,6 @@ class _Stage:
         self._tensor = {t: ns(s) for t, s in stage.tensor_specs if s.rank}
         self._operand = {(n, p): ns(s) for n, p, s in stage.operand_specs if s.rank}
         out_spec = dict(zip(fb.outputs, stage.output_specs))
-        self.out_spec = out_spec
         P, A = len(prog.params), len(prog.acts)
         self.param_in = [ns(spec[t]) for t in prog.fb_params]
         self.act_in = [ns(spec[t]) for t in prog.fb_acts]
