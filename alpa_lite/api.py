@@ -167,8 +167,10 @@ class ParallelizedStep:
                                       progress=progress)
         return make_plan(traced, self.method, cluster, tensor_names=names, progress=progress)
 
-    def executable(self, *args) -> Executable:
-        """The compiled executable for these arguments on the local devices."""
+    def compile(self, *args) -> Executable:
+        """Plans (once per signature) and compiles the step for these arguments on the
+        local devices: the executable a call runs; `.collectives(*args)` lists what it
+        executes, read from the compiled programs."""
         cluster = self.cluster or Cluster.local()
         # The local devices may be described as another grouping into nodes (e.g. to run
         # a two-node plan on one machine's devices), or by calibrated figures; a device
@@ -196,17 +198,12 @@ class ParallelizedStep:
             return StepProgram(parts=self.parts(*args), **common)
         return StepProgram(traced=self.trace(*args), **common)
 
-    def compile(self, *args) -> Executable:
-        """Plans (once) and compiles the step for these arguments on the local devices:
-        the executable `__call__` runs; `.collectives(*args)` lists what it executes."""
-        return self.executable(*args)
-
     def input_shardings(self, *args):
         """The `jax.sharding.Sharding` the plan wants for each argument leaf, as a pytree
         shaped like `args` (arrays or `jax.ShapeDtypeStruct`s), e.g. to load a checkpoint
         straight onto the devices that need it. Plans and builds the executable as the
         first call would, but compiles and runs nothing."""
-        return self.executable(*args).input_shardings(*args)
+        return self.compile(*args).input_shardings(*args)
 
     def with_method(self, method: Method) -> "ParallelizedStep":
         """The same step with another method, sharing this step's traces (tracing a large
@@ -227,7 +224,7 @@ class ParallelizedStep:
                                 self.compression, self.on_nonfinite, self.compression_seed)
 
     def __call__(self, *args):
-        exe = self.executable(*args)
+        exe = self.compile(*args)
         if isinstance(exe, CompressedExecutable):
             self._last_compressed = exe
         return exe(*args)
@@ -249,7 +246,7 @@ class ParallelizedStep:
     def active_compressed(self, exe: CompressedExecutable) -> None:
         if not any(exe is e for e in self._executables.values()):
             raise ValueError("active_compressed must be one of this step's own executables "
-                             "(step.executable(*args))")
+                             "(step.compile(*args))")
         self._last_compressed = exe
 
     def _compressed(self) -> CompressedExecutable:

@@ -69,7 +69,7 @@ def main() -> None:
         step = al.parallelize(gpt.make_train_step(cfg, tx), method=al.DataParallel(),
                               cluster=cluster, compression=method)
         plan = step.plan(*step_args, cluster=cluster)
-        found = collectives_in_hlo(step.executable(*step_args).hlo(*step_args))
+        found = collectives_in_hlo(step.compile(*step_args).hlo(*step_args))
         hlo = bytes_by_kind(found)
         # Across nodes, the exchange is the ops over the node axis (groups of one device per
         # node); the full-precision reduce-scatter and all-gather inside nodes are not in it.

@@ -262,7 +262,7 @@ def build_case(label, method, train_step, args, batch, cluster, nominal) -> Case
     case.compile_s = time.perf_counter() - t0
     jax.block_until_ready(step(*args))          # warm-up
     if plan.pipeline is None and plan.compression is None:
-        hlo = step.executable(*args).compiled_text(*args)
+        hlo = step.compile(*args).compiled_text(*args)
         compiled = collectives_in_hlo(hlo)
         case.collectives = {
             "planned": sum(c.count for st in plan.stages for c in st.collectives),

@@ -96,8 +96,8 @@ def test_compiled_exchange_carries_the_compressed_payload():
     grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(args[0]))
     dense = al.parallelize(step_fn, method=al.DataParallel(), compression=C.Dense())
     sparse = al.parallelize(step_fn, method=al.DataParallel(), compression=C.TopK(0.01))
-    dense_hlo = bytes_by_kind(collectives_in_hlo(dense.executable(*args).hlo(*args)))
-    sparse_hlo = bytes_by_kind(collectives_in_hlo(sparse.executable(*args).hlo(*args)))
+    dense_hlo = bytes_by_kind(collectives_in_hlo(dense.compile(*args).hlo(*args)))
+    sparse_hlo = bytes_by_kind(collectives_in_hlo(sparse.compile(*args).hlo(*args)))
     assert dense_hlo.get("all-reduce", 0) >= grad_bytes
     assert sparse_hlo.get("all-reduce", 0) < grad_bytes / 100   # the loss, the NaN count
     gathered = sparse_hlo.get("all-gather", 0)

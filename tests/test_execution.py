@@ -59,6 +59,6 @@ def test_plan_matches_jit_and_hlo(example, method_name):
     predicted: dict[str, int] = {}
     for c in plan.collectives():
         predicted[c.kind] = predicted.get(c.kind, 0) + c.total_bytes
-    compiled = bytes_by_kind(collectives_in_hlo(step.executable(*args).compiled_text(*args)))
+    compiled = bytes_by_kind(collectives_in_hlo(step.compile(*args).compiled_text(*args)))
     assert predicted == compiled, (
         f"{example}/{method_name}: plan predicts {predicted}, XLA compiled {compiled}")

@@ -158,28 +158,33 @@ def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
         tt = fb.tensors[t]
         return int(tt.nbytes // out_spec[t].num_shards(mesh))
 
-    axes = batch_axes(prog, stage, fwd_bdims) if m > 1 else ()
-    if not axes:
-        # Nothing splits the batch: there is nothing to reduce, whatever the micro-batches.
-        acc = Accumulation.SINGLE if m == 1 else Accumulation.LOCAL
-        return StageSync(stage, tuple(GradientSync(
-            param=names.get(p, fb.tensors[p].name), stage=index, accumulation=acc, axes=(),
-            collective=SyncCollective.NONE, compressor=None, nbytes=nbytes(g), count=0,
-            time_s=0.0) for p, g in grads), 0.0)
-    try:
-        local_fwd, scale = local_forward(parts, math.prod(mesh.axis_size(a) for a in axes))
-        local = stage_program(local_fwd, prog.start, prog.stop)
-        why = splits_only_batch(parts, prog, local, stage, mesh, axes, fwd_bdims)
-    except PlanningError as e:
-        why = str(e)
+    axes = batch_axes(prog, stage, fwd_bdims)
+    why = "one micro-batch" if m == 1 else \
+        "the stage's inputs do not split the batch over one set of mesh axes"
+    if axes and m > 1:
+        try:
+            local_fwd, scale = local_forward(parts, math.prod(mesh.axis_size(a) for a in axes))
+            local = stage_program(local_fwd, prog.start, prog.stop)
+            why = splits_only_batch(parts, prog, local, stage, mesh, axes, fwd_bdims)
+        except PlanningError as e:
+            why = str(e)
     if why is not None:
-        # The backward reduces over the batch axes itself, once per micro-batch; its time
-        # is inside the stage's backward estimate.
-        return StageSync(dataclasses.replace(stage, accumulate_note=why), tuple(GradientSync(
-            param=names.get(p, fb.tensors[p].name), stage=index,
-            accumulation=Accumulation.REDUCED, axes=axes,
-            collective=SyncCollective.ALL_REDUCE, compressor=None, nbytes=nbytes(g),
-            count=m, time_s=0.0) for p, g in grads), 0.0)
+        # The backward reduces each gradient itself (where the plan says), once per
+        # micro-batch; that time is inside the stage's backward estimate.
+        by_node = dict(result.node_collectives)
+        records = []
+        for p, g in grads:
+            red_axes, kind, time_s = grad_reduction(fb, by_node, g, mesh)
+            reduced = kind is not SyncCollective.NONE
+            records.append(GradientSync(
+                param=names.get(p, fb.tensors[p].name), stage=index,
+                accumulation=(Accumulation.SINGLE if m == 1 else
+                              Accumulation.REDUCED if reduced else Accumulation.LOCAL),
+                axes=red_axes, collective=kind, compressor=None, nbytes=nbytes(g),
+                count=m if reduced else 0, time_s=m * time_s))
+        note = why if m > 1 and any(r.accumulation is Accumulation.REDUCED
+                                    for r in records) else ""
+        return StageSync(dataclasses.replace(stage, accumulate_note=note), tuple(records), 0.0)
     # The backward runs per device over `axes`: its collectives over them vanish, but for
     # the gradients of activations without the batch in them, summed over the replicas.
     comm = CommModel(cluster, mesh)
@@ -221,37 +226,44 @@ _PASS_THROUGH = frozenset({"add", "add_any", "convert_element_type", "transpose"
                            "copy", "copy_p", "squeeze", "broadcast_in_dim", "reduce_sum"})
 
 
+def grad_reduction(graph: OpGraph, by_node: Mapping[int, tuple], tid: int,
+                   mesh: LogicalMesh) -> tuple[tuple[str, ...], SyncCollective, float]:
+    """How the plan reduces one gradient where it is formed: over which mesh axes, with
+    which collective, and the time (from the collectives at its producer and at the
+    pass-through operators feeding only it)."""
+    found, stack, seen = [], [graph.producer(tid)], set()
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        found += [c for c in by_node.get(n, ())
+                  if c.kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)]
+        node = graph.nodes[n]
+        if node.primitive in _PASS_THROUGH or n == graph.producer(tid):
+            for u in node.inputs:
+                if u is not None and len(graph.consumers(u)) == 1:
+                    stack.append(graph.producer(u))
+    axes = tuple(a for a in mesh.axis_names if any(a in c.axes for c in found))
+    if not found:
+        return axes, SyncCollective.NONE, 0.0
+    kind = SyncCollective.REDUCE_SCATTER if any(
+        c.kind is CollectiveKind.REDUCE_SCATTER for c in found) else SyncCollective.ALL_REDUCE
+    return axes, kind, float(sum(c.time_s for c in found))
+
+
 def single_stage_sync(graph: OpGraph, result: StageResult, mesh: LogicalMesh,
                       names: Mapping[int, str]) -> tuple[GradientSync, ...]:
-    """One record per gradient of a single-stage plan: the reductions the plan runs where
-    the gradient is formed (its producer, and the pass-through operators feeding only it)."""
+    """One record per gradient of a single-stage plan (`grad_reduction`)."""
     by_node = dict(result.node_collectives)
     spec = dict(result.stage.tensor_specs)
     records = []
     for t in graph.tensors_with_role(Role.GRAD):
-        found, stack, seen = [], [graph.producer(t.id)], set()
-        while stack:
-            n = stack.pop()
-            if n is None or n in seen:
-                continue
-            seen.add(n)
-            found += [c for c in by_node.get(n, ())
-                      if c.kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)]
-            node = graph.nodes[n]
-            if node.primitive in _PASS_THROUGH or n == graph.producer(t.id):
-                for u in node.inputs:
-                    if u is not None and len(graph.consumers(u)) == 1:
-                        stack.append(graph.producer(u))
-        axes = tuple(a for a in mesh.axis_names if any(a in c.axes for c in found))
-        kind = SyncCollective.NONE
-        if found:
-            kind = SyncCollective.REDUCE_SCATTER if any(
-                c.kind is CollectiveKind.REDUCE_SCATTER for c in found) \
-                else SyncCollective.ALL_REDUCE
+        axes, kind, time_s = grad_reduction(graph, by_node, t.id, mesh)
         s = spec.get(t.id, TensorSpec.replicated(len(t.shape)))
         records.append(GradientSync(
             param=names.get(t.id, t.name), stage=0, accumulation=Accumulation.SINGLE,
             axes=axes, collective=kind, compressor=None,
-            nbytes=int(t.nbytes // s.num_shards(mesh)), count=1 if found else 0,
-            time_s=float(sum(c.time_s for c in found))))
+            nbytes=int(t.nbytes // s.num_shards(mesh)),
+            count=0 if kind is SyncCollective.NONE else 1, time_s=time_s))
     return tuple(records)

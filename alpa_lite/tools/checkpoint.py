@@ -379,7 +379,7 @@ def _targets(like, paths, like_leaves, step, batch):
                         "ShapeDtypeStructs) to plan the step for step(*like, batch)")
     # Planned for shapes only: the values of `like` (e.g. fresh initial parameters) matter not.
     abstract = _abstract((*like, batch))
-    exe = step.executable(*abstract)
+    exe = step.compile(*abstract)
     flat = jax.tree.leaves(exe.input_shardings(*abstract)[:len(like)])
     return flat, (exe if isinstance(exe, CompressedExecutable) else None)
 
