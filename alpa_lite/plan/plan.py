@@ -91,14 +91,15 @@ class StagePlan:
     backward_s: float = 0.0
     layers: tuple[int, int] = (0, 0)
     remat: bool = False
-    # Pipelined plans: the mesh axes over which the backward runs per device (the batch is
-    # split over them and nothing else is), so parameter gradients accumulate unreduced
-    # and are reduced once per step (`Plan.gradient_sync`); () = the backward reduces them
-    # itself. `local_loss_scale` turns the per-device loss into its share of the
-    # micro-batch loss (1/replicas for a mean).
+    # Pipelined plans: the mesh axes over which the backward runs per device, each on its
+    # slice of the micro-batch (`planning.gradient_sync` checked that this sums to the
+    # plan's backward), so parameter gradients accumulate unreduced and are reduced once
+    # per step (`Plan.gradient_sync`); () = the backward reduces them itself, and
+    # `accumulate_note` says why. `local_loss_scale` turns the per-device loss into its
+    # share of the micro-batch loss (1/replicas for a mean).
     accumulate_axes: tuple[str, ...] = ()
     local_loss_scale: float = 1.0
-    accumulate_note: str = ""       # why a pipelined stage reduces in every backward instead
+    accumulate_note: str = ""
 
     def sharding_of(self, name: str) -> TensorSpec:
         for n, spec in self.shardings:
