@@ -288,18 +288,41 @@ def calibrate(devices: Sequence[jax.Device] | None = None, *, quick: bool = Fals
     report(progress, LINKS, total, total)
 
     # Multi-controller: every process fits process 0's numbers (module docstring).
-    dispatch_s, matmuls, memory, raw_links = _share_timings(dispatch_s, matmuls, memory,
-                                                            raw_links)
-    return _fit(local, platform, str(devices[0].device_kind), jnp.dtype(dtype).name, quick,
-                dispatch_s, matmuls, memory, raw_links, time.perf_counter() - t_start)
+    timings = _share_timings(_Timings(dispatch_s, tuple(matmuls), tuple(memory),
+                                      tuple(raw_links)))
+    return _fit(local, _Setting(platform, str(devices[0].device_kind),
+                                jnp.dtype(dtype).name, bool(quick)),
+                timings, time.perf_counter() - t_start)
 
 
 # ---- fitting -------------------------------------------------------------------------------
 
 
-def _fit(local: Cluster, platform: str, device_kind: str, dtype: str, quick: bool,
-         dispatch_s: float, matmuls: list[MatmulSample], memory: list[TimedSample],
-         raw_links, elapsed_s: float) -> tuple[Cluster, CalibrationReport]:
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    """What was calibrated: the platform and device kind JAX reports, the matmul dtype,
+    and whether the quick sweep ran."""
+    platform: str
+    device_kind: str
+    dtype: str
+    quick: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Timings:
+    """What calibration measured, before fitting: the dispatch of a trivial program, the
+    matmul and element-wise samples, and per link level and collective
+    `(level, devices, collective, samples)`."""
+    dispatch_s: float
+    matmuls: tuple[MatmulSample, ...]
+    memory: tuple[TimedSample, ...]
+    links: tuple
+
+
+def _fit(local: Cluster, setting: _Setting, timings: _Timings,
+         elapsed_s: float) -> tuple[Cluster, CalibrationReport]:
+    platform, device_kind, dtype = setting.platform, setting.device_kind, setting.dtype
+    matmuls, memory, raw_links = timings.matmuls, timings.memory, timings.links
     overhead_s = matmuls[0].seconds
     timed = matmuls[1:]
     flops = [s.flops for s in timed]
@@ -351,7 +374,7 @@ def _fit(local: Cluster, platform: str, device_kind: str, dtype: str, quick: boo
     rep = CalibrationReport(
         platform=platform, device_kind=device_kind, dtype=dtype,
         num_processes=local.num_nodes, devices_per_process=local.devices_per_node,
-        quick=bool(quick), dispatch_s=dispatch_s, op_overhead_s=overhead_s,
+        quick=setting.quick, dispatch_s=timings.dispatch_s, op_overhead_s=overhead_s,
         peak_flops_per_s=peak, peak_source=peak_source, matmuls=tuple(matmuls),
         matmul_efficiency_curve=curve, memory=tuple(memory),
         memory_bandwidth_bytes_per_s=bandwidth, memory_intercept_s=intercept,
@@ -507,18 +530,19 @@ def _per_op(call_s: float, dispatch_s: float, chain: int) -> float:
     return (work_s if work_s > 0 else call_s) / chain
 
 
-def _share_timings(dispatch_s, matmuls, memory, raw_links):
+def _share_timings(t: _Timings) -> _Timings:
     """Process 0's timings on every process (as measured, with one process).
 
     Through the coordination service, not a collective: a collective could interleave with
     work another process has already dispatched (`alpa_lite.runtime.distributed`)."""
-    flat = [dispatch_s] + [s.seconds for s in matmuls] + [s.seconds for s in memory] + \
-        [s.seconds for *_, samples in raw_links for s in samples]
+    flat = [t.dispatch_s] + [s.seconds for s in t.matmuls] + [s.seconds for s in t.memory] + \
+        [s.seconds for *_, samples in t.links for s in samples]
     shared = share_from_first(lambda: flat, encode=json.dumps, decode=json.loads)
     it = iter(shared[1:])
-    matmuls = [dataclasses.replace(s, seconds=next(it)) for s in matmuls]
-    memory = [dataclasses.replace(s, seconds=next(it)) for s in memory]
-    raw_links = [(level, n, collective,
-                  [dataclasses.replace(s, seconds=next(it)) for s in samples])
-                 for level, n, collective, samples in raw_links]
-    return shared[0], matmuls, memory, raw_links
+    return _Timings(
+        dispatch_s=shared[0],
+        matmuls=tuple(dataclasses.replace(s, seconds=next(it)) for s in t.matmuls),
+        memory=tuple(dataclasses.replace(s, seconds=next(it)) for s in t.memory),
+        links=tuple((level, n, collective,
+                     [dataclasses.replace(s, seconds=next(it)) for s in samples])
+                    for level, n, collective, samples in t.links))
