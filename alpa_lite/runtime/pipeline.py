@@ -226,14 +226,7 @@ class PipelineExecutable:
             raise PlanMismatchError("the plan places another step's optimizer update "
                                     "(operator or input counts differ); plan again")
         node_home = dict(zip(parts.apply_nodes, spec.update_stages))
-        home: dict[int, int] = {t: p.stage for t, p in zip(outer.inputs, spec.inputs)}
-        for k, t in enumerate(parts.grad_outputs()):
-            home[t] = self.param_home[fwd.inputs[parts.call.grad_leaves[k]]]
-        home[parts.value_output()] = self.loss_stage
-        for nid, s in node_home.items():
-            for t in outer.nodes[nid].outputs:
-                home[t] = s
-        self.home = home
+        self.input_stage = {t: p.stage for t, p in zip(outer.inputs, spec.inputs)}
         # Levels: a node one hop from a value made on another stage runs a level later.
         level: dict[int, int] = {}
         for nid in parts.apply_nodes:
@@ -438,7 +431,7 @@ class PipelineExecutable:
             vals = []
             for t in ins:
                 v = env[t]
-                if outer.producer(t) is None and self.home[t] == s:
+                if outer.producer(t) is None and self.input_stage.get(t) == s:
                     v = place(v, self.input_sharding[t])
                 elif _elsewhere(v, st.mesh):
                     v = jax.device_put(v, st.replicated())
