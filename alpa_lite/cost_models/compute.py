@@ -5,8 +5,9 @@ between memory and the device takes
 
     ``max(flops / (peak_flops(dtype) * eff), bytes_accessed / memory_bandwidth)``
 
-seconds (Williams, Waterman & Patterson, "Roofline", CACM 2009), plus, for matmuls and
-convolutions, the device's fixed per-kernel ``op_overhead_s``:
+seconds (Williams, Waterman & Patterson, "Roofline", CACM 2009), plus the device's fixed
+per-kernel ``op_overhead_s`` for each kernel the op starts (``kernels``: one for a matmul or
+a convolution, one per fused element-wise kernel, which ``planning/fusion.py`` counts):
 
 * matmul/conv: ``eff = device.matmul_efficiency_at(flops)``, the size-dependent efficiency
   curve (``DeviceSpec.matmul_efficiency_curve``, interpolated in ``log(flops)`` of the op on
@@ -14,11 +15,11 @@ convolutions, the device's fixed per-kernel ``op_overhead_s``:
   H100 large bf16 matmuls reach 71-82% of peak but small ones (512 tokens x hidden 1024)
   only 1-6% (HARDWARE.md), so a constant prices small or heavily sharded matmuls
   optimistically; a calibrated curve (``calibration.py``) does not.
-* everything else: ``eff = elementwise_efficiency``, no overhead. XLA fuses element-wise
-  ops into their neighbours, so charging each traced equation a kernel launch would count
-  launches that never happen; the overhead is charged once per matmul, the op that always
-  is its own kernel, and calibration measures it that way (a matmul and the element-wise
-  op that follows it).
+* everything else: ``eff = elementwise_efficiency``. XLA fuses element-wise ops into
+  their neighbours, so charging each traced equation a kernel launch would count launches
+  that never happen: the caller says how many kernels an op starts (the planner charges
+  a fused group's launch to its first equation, ``planning/fusion.py``), and its bytes are
+  its share of the fused kernel's traffic, not every operand and result of the equation.
 
 The memory term uses ``memory_bandwidth_bytes_per_s``: the datasheet figure in presets
 (measured elementwise ops reach ~80% of it on the H100, HARDWARE.md), the measured
@@ -41,6 +42,7 @@ def compute_time(
     device: DeviceSpec,
     dtype: Any,
     is_matmul: bool,
+    kernels: int | None = None,
 ) -> float:
     """Roofline time of one op on one device, in seconds.
 
@@ -49,12 +51,14 @@ def compute_time(
       bytes_accessed: Bytes read plus written in device memory.
       device: The device.
       dtype: Compute dtype, a name (``"bfloat16"``) or a numpy/jax dtype; picks the peak.
-      is_matmul: True for dot/conv ops (``matmul_efficiency_at(flops)`` and
-        ``op_overhead_s``), False otherwise (``elementwise_efficiency``).
+      is_matmul: True for dot/conv ops (``matmul_efficiency_at(flops)``), False otherwise
+        (``elementwise_efficiency``).
+      kernels: Kernels the op starts, each paying ``op_overhead_s``; None: one for a
+        matmul, none otherwise.
 
     Returns:
       ``max(flops / (peak * eff), bytes_accessed / memory_bandwidth)``, plus
-      ``op_overhead_s`` for a matmul; 0.0 for no work.
+      ``kernels * op_overhead_s``; 0.0 for no work.
 
     Raises:
       ValueError: for negative or non-finite ``flops``/``bytes_accessed``.
@@ -77,5 +81,7 @@ def compute_time(
     eff = device.matmul_efficiency_at(f) if is_matmul else device.elementwise_efficiency
     flop_time_s = f / (device.peak_flops(dtype) * eff) if f else 0.0
     memory_time_s = b / device.memory_bandwidth_bytes_per_s
-    overhead_s = device.op_overhead_s if is_matmul else 0.0
+    if kernels is None:
+        kernels = 1 if is_matmul else 0
+    overhead_s = kernels * device.op_overhead_s
     return max(flop_time_s, memory_time_s) + overhead_s

@@ -6,14 +6,10 @@ equation: it fuses chains of element-wise work into "loop" and "input" fusions, 
 twelve times. `fuse(graph)` groups the nodes the way XLA broadly does and returns, per
 node, its share of its group's memory traffic and the element-wise kernels it starts.
 
-Status: an analysis, not (yet) the planner's pricing. `bench/fidelity.py` reports it beside
-the per-equation model. Wired into tracing (each node's `bytes_accessed` replaced by its
-share, plus a calibrated fixed cost per kernel), it took the H100 block-step estimate
-from +247% to +49% of the measured 13.75 ms, but made every CPU plan's estimate 5-13%
-lower where they were already ~4x too low (median |error| 75% -> 78%, Spearman unchanged
-within noise; bench/results/fidelity_cpu_fusion_trial_*.json), so it was not kept: the
-CPU gap lies elsewhere. On the CPU GPT step it counts 271 element-wise kernels where the
-compiled single-device HLO has 286 fusions.
+The planner prices compute this way (`planning.strategies`): each node's compute time uses
+its share of its group's traffic, and each fused kernel pays the device's per-kernel
+overhead once, on its first node. On the CPU GPT step it counts 271 element-wise kernels
+where the compiled single-device HLO has 286 fusions.
 
 The rules (a simplification of XLA's `InstructionFusion` / `GpuInstructionFusion`, which
 fuse a producer into its consumer when the producer is element-wise-like and the fusion
@@ -60,7 +56,7 @@ import dataclasses
 from alpa_lite.ir.graph import Node, OpGraph
 from alpa_lite.plan.sharding import itemsize
 
-__all__ = ["FusionResult", "fuse", "STANDALONE", "DUPLICABLE"]
+__all__ = ["DUPLICABLE", "STANDALONE", "FusionResult", "fuse", "is_standalone"]
 
 STANDALONE = frozenset({
     "dot_general", "conv_general_dilated",
@@ -94,10 +90,14 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"
 @dataclasses.dataclass(frozen=True)
 class FusionResult:
     """Per node (indexed by node id): its fusion group (the id of the group's first node),
-    the memory bytes it is charged, and the element-wise kernels it starts (0 or 1)."""
+    the memory bytes it is charged, the element-wise kernels it starts (0 or 1), and
+    whether it is a free duplicate (a broadcast, an iota or a constant sub-expression that
+    XLA re-computes as index arithmetic inside each consumer: no work of its own unless
+    it must be written out, which `kernels` then says)."""
     group: tuple[int, ...]
     bytes_accessed: tuple[float, ...]
     kernels: tuple[int, ...]
+    duplicated: tuple[bool, ...] = ()
 
     @property
     def num_kernels(self) -> int:
@@ -110,7 +110,7 @@ def _nbytes(graph: OpGraph, tid: int) -> float:
     return float(t.size * itemsize(t.dtype))
 
 
-def _is_standalone(node: Node) -> bool:
+def is_standalone(node: Node) -> bool:
     # A primitive with a sub-program (a call tracing left in place) is its own kernel(s).
     return node.primitive in STANDALONE or any(k in node.params for k in
                                                 ("jaxpr", "call_jaxpr", "fun_jaxpr"))
@@ -120,7 +120,7 @@ def _is_cheap(node: Node) -> bool:
     """Cheap to re-compute in a consumer's fusion: element-wise-like, not expensive, not a
     reduction (whose result needs all of its input)."""
     return (node.primitive not in _EXPENSIVE and node.primitive not in _REDUCTIONS
-            and not _is_standalone(node))
+            and not is_standalone(node))
 
 
 def fuse(graph: OpGraph) -> FusionResult:
@@ -133,7 +133,7 @@ def fuse(graph: OpGraph) -> FusionResult:
       The `FusionResult`.
     """
     n_nodes = len(graph.nodes)
-    standalone = [_is_standalone(n) for n in graph.nodes]
+    standalone = [is_standalone(n) for n in graph.nodes]
     # Duplicates: broadcasts and iotas, and anything (not standalone) computed from
     # literals and duplicates only, i.e. with no graph input or real result among its
     # operands (constant sub-expressions such as a causal mask).
@@ -252,4 +252,4 @@ def fuse(graph: OpGraph) -> FusionResult:
             if bytes_out[n.id] > 0 and g not in started:
                 started.add(g)
                 kernels[n.id] = 1
-    return FusionResult(tuple(group), tuple(bytes_out), tuple(kernels))
+    return FusionResult(tuple(group), tuple(bytes_out), tuple(kernels), tuple(dup))

@@ -3,7 +3,11 @@
 A *unit* is an input tensor or an operator of the graph. `Units` enumerates, for each unit on
 one logical mesh, its `Strategy`s: operand and result specs (from the operator's
 `op_rules.DimLabels`), its compute time (roofline over the split work) and the collectives it
-implies (all-reduce of partial sums; reduce-scatter variants on accelerators). A batch
+implies (all-reduce of partial sums; reduce-scatter variants).
+
+Compute is priced per kernel as XLA runs it (`planning.fusion`): an element-wise equation
+moves its share of its fused kernel's memory traffic, not all its operands and results, and
+each fused kernel pays the device's per-kernel overhead once. A batch
 input's strategies also pay for copying the batch from the host. Operators repeated across
 layers are enumerated once and share one list.
 """
@@ -29,6 +33,7 @@ from alpa_lite.plan.sharding import (
     itemsize,
     reshard_collectives,
 )
+from alpa_lite.planning.fusion import fuse, is_standalone
 
 # Host-to-device copy bandwidth for the batch: PCIe 4.0 x16 moves ~25 GB/s in practice
 # (32 GB/s raw; PCI-SIG PCIe 4.0 base specification, 16 GT/s x 16 lanes, 128b/130b).
@@ -93,6 +98,7 @@ class Units:
         self.offset = len(self.source_tensors)
         self.unsharded: set[str] = set()
         self.strategies: list[list[Strategy]] = []
+        self.fusion = fuse(graph)
         for tid in self.source_tensors:
             self.strategies.append(self._input_strategies(graph.tensors[tid], pin))
         # Repeated layers repeat their operators: enumerate each distinct operator once and
@@ -100,7 +106,9 @@ class Units:
         by_key: dict[tuple, tuple[list[Strategy], str | None]] = {} if memo is None else memo
         filtered: dict[tuple, list[Strategy]] = {}
         for node in graph.nodes:
-            key = structural_key(graph, node)
+            # The fused traffic depends on the node's neighbours, so it is part of the key.
+            key = (structural_key(graph, node), self.fusion.bytes_accessed[node.id],
+                   self.fusion.kernels[node.id])
             if key not in by_key:
                 by_key[key] = self._node_strategies(node)
             strategies, unsharded = by_key[key]
@@ -153,14 +161,21 @@ class Units:
         labels = dim_labels(node.primitive, node.params, in_shapes, [o.shape for o in outs])
         dtype = outs[0].dtype if outs else "float32"
         is_mm = node.primitive in MATMUL
+        nbytes = self.fusion.bytes_accessed[node.id]
+        # A broadcast or iota inside its consumers' kernels is index arithmetic there: its
+        # element count is no work of its own (unless it is written out: then its bytes).
+        flops = 0.0 if self.fusion.duplicated[node.id] else node.flops
+        # A library call (matmul, gather, sort, ...) is one kernel; element-wise work pays
+        # for the fused kernels it starts.
+        kernels = 1 if is_standalone(node) else self.fusion.kernels[node.id]
         if labels is None:
             unsharded = node.primitive if (node.primitive not in ("copy", "copy_p") and
                                            any(len(o.shape) for o in outs)) else None
             in_specs = tuple(None if s is None else TensorSpec.replicated(len(s))
                              for s in in_shapes)
             return [Strategy(in_specs, tuple(TensorSpec.replicated(len(o.shape)) for o in outs),
-                             compute_time(node.flops, node.bytes_accessed,
-                                          self.cluster.device, dtype, is_mm))], unsharded
+                             compute_time(flops, nbytes, self.cluster.device, dtype,
+                                          is_mm, kernels))], unsharded
         result = []
         for assign in enumerate_assignments(labels, self.axes):
             in_specs = []
@@ -180,11 +195,11 @@ class Units:
             # over (x, y) is one all-reduce over both, two split dimensions are two.
             reduced_groups = [v for l, v in sorted(assign.items()) if l in labels.reduced]
             for o, spec in zip(outs, out_specs):
-                nbytes = o.size * itemsize(o.dtype) / spec.num_shards(self.mesh)
-                for group in reduced_groups if nbytes else ():
-                    colls.append(self.comm.op(CollectiveKind.ALL_REDUCE, nbytes, group))
-            compute = compute_time(node.flops / shards, node.bytes_accessed / shards,
-                                   self.cluster.device, dtype, is_mm)
+                out_bytes = o.size * itemsize(o.dtype) / spec.num_shards(self.mesh)
+                for group in reduced_groups if out_bytes else ():
+                    colls.append(self.comm.op(CollectiveKind.ALL_REDUCE, out_bytes, group))
+            compute = compute_time(flops / shards, nbytes / shards,
+                                   self.cluster.device, dtype, is_mm, kernels)
             result.append(Strategy(tuple(in_specs), out_specs, compute, tuple(colls), shards))
             # On CPU, XLA has no reduce-scatter (it all-reduces and slices, and rewrites that
             # its own way), and the plain all-reduce followed by a free slice costs the
