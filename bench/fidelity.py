@@ -32,10 +32,13 @@ published plain-jit measurement of one transformer block's gradient step on one 
 (/work/shared/data/h100_jax_probe.json, HARDWARE.md: batch 8, seq 2048, hidden 2048, 16
 heads, naive attention, bfloat16; 13.75 ms, model FLOPs 5.77e12 = the block's forward +
 backward) beside the estimate for the same block (`examples/gpt.py` pieces, a loss over the
-block output, gradients of the block's parameters) planned DataParallel on the calibrated
-1xH100 cluster. One device: only the compute model is tested. The model FLOPs are checked
-against the probe's before the estimate is reported. Beside it, the same graph priced per
-fused kernel (`alpa_lite.planning.fusion`; an analysis the planner does not use, see its docstring).
+block output, gradients of the block's parameters) planned DataParallel on the `1xH100`
+preset (its matmul curve, element-wise bandwidth and kernel launch cost come from
+micro-benchmarks, `cost_models/devices.py`; this measurement is not among them). One
+device: only the compute model is tested. The model FLOPs are checked against the probe's
+before the estimate is reported. Beside it, the same graph priced per traced equation (every
+operand and result through memory, the pricing before fused kernels) and per fused kernel
+(`alpa_lite.planning.fusion`, what the planner charges).
 
 GPU mode (`--device gpu`, for the lent H100; it cannot run on this machine): one device,
 plans that differ in batch size, micro-batch count and recomputation (`gpu_methods`) for
@@ -96,7 +99,7 @@ H100_PROBE = Path(__file__).resolve().parent / "data" / "h100_jax_probe.json"
 H100_BLOCK = dict(batch=8, seq=2048, hidden=2048, heads=16, dtype="bfloat16")
 
 
-def h100_block_point(cluster_path: Path = H100_CLUSTER) -> dict:
+def h100_block_point() -> dict:
     """The H100 block point of the module docstring: estimate vs the published 13.75 ms."""
     import json
 
@@ -120,7 +123,7 @@ def h100_block_point(cluster_path: Path = H100_CLUSTER) -> dict:
         return al.value_and_grad(loss)(params, x)
 
     x = jax.ShapeDtypeStruct((b, t, h), dtype)
-    cluster = Cluster.from_json(cluster_path.read_text())
+    cluster = Cluster.preset("1xH100")
     # batch_argnums=(): x is an activation already on the device, as in the probe's
     # plain-jit step; a batch would add its host-to-device copy (67 MB, 2.7 ms) to the
     # estimate, which the measurement does not contain.
@@ -135,7 +138,7 @@ def h100_block_point(cluster_path: Path = H100_CLUSTER) -> dict:
     measured = probe["block_step_s"]
     fusion = fusion_diagnostic(graph, cluster)
     return {"source": str(H100_PROBE.relative_to(_common.REPO_ROOT)),
-            "cluster": cluster_path.name, "block": H100_BLOCK,
+            "cluster": cluster.name, "block": H100_BLOCK,
             "loss": "mean(square(block(x))) in float32; gradients of the block parameters",
             "matmul_flops": matmul_flops, "probe_model_flops": probe["model_flops"],
             "graph_nodes": len(graph.nodes),
@@ -145,31 +148,27 @@ def h100_block_point(cluster_path: Path = H100_CLUSTER) -> dict:
 
 
 def fusion_diagnostic(graph, cluster: Cluster) -> dict:
-    """One device's step priced two ways from the same graph: per equation (each pays all
-    its operand and result bytes: what the planner charges, so it should equal the plan's
-    compute) and per fused kernel (`alpa_lite.planning.fusion.fuse`'s traffic, plus a fixed cost per
-    element-wise kernel: the H100 fit's element-wise intercept less its dispatch, both from
-    bench/results/calibrated_1xH100_fit.json, since each of those rows was one jitted call)."""
-    import json
-
+    """One device's step priced two ways from the same graph: per traced equation (each
+    pays all its operand and result bytes and no launch: the pricing before fused kernels)
+    and per fused kernel (`alpa_lite.planning.fusion.fuse`'s traffic, and the device's
+    launch cost per kernel: what the planner charges, unsharded)."""
     from alpa_lite.cost_models.compute import compute_time
-    from alpa_lite.planning.fusion import fuse
+    from alpa_lite.planning.fusion import fuse, is_standalone
     from alpa_lite.planning.strategies import MATMUL
-    fit = json.loads((_common.RESULTS_DIR / "calibrated_1xH100_fit.json").read_text())["fit"]
-    kernel_s = max(0.0, fit["memory_intercept_s"] - fit["dispatch_s"])
-    fused = fuse(graph)
+    fused = fuse(graph, row_reductions_fuse=cluster.platform != "cpu")
     dev = cluster.device
     per_eq = fused_s = 0.0
     for n in graph.nodes:
         dtype = graph.tensors[n.outputs[0]].dtype if n.outputs else "float32"
         mm = n.primitive in MATMUL
         per_eq += compute_time(n.flops, n.bytes_accessed, dev, dtype, mm)
-        fused_s += compute_time(n.flops, fused.bytes_accessed[n.id], dev, dtype, mm)
-    fused_s += fused.num_kernels * kernel_s
+        flops = 0.0 if fused.duplicated[n.id] else n.flops
+        kernels = 1 if is_standalone(n) else fused.kernels[n.id]
+        fused_s += compute_time(flops, fused.bytes_accessed[n.id], dev, dtype, mm, kernels)
     return {"per_equation_s": per_eq, "fused_s": fused_s,
             "per_equation_bytes": sum(n.bytes_accessed for n in graph.nodes),
             "fused_bytes": sum(fused.bytes_accessed), "elementwise_kernels": fused.num_kernels,
-            "kernel_overhead_s": kernel_s}
+            "kernel_overhead_s": dev.op_overhead_s}
 
 
 def print_h100_block(r: dict) -> None:
@@ -178,11 +177,12 @@ def print_h100_block(r: dict) -> None:
           f"matmul FLOPs {r['matmul_flops']:.4g} (probe {r['probe_model_flops']:.4g})",
           flush=True)
     f = r["fusion_analysis"]
-    print(f"  priced per fused kernel instead (alpa_lite.planning.fusion, not the planner's model): "
-          f"{f['fused_s'] * 1e3:.2f} ms, error {f['error']:+.0%} ({f['elementwise_kernels']} "
-          f"element-wise kernels x {f['kernel_overhead_s'] * 1e6:.1f} us; memory traffic "
-          f"{f['fused_bytes'] / 1e9:.1f} GB instead of {f['per_equation_bytes'] / 1e9:.1f} GB)",
-          flush=True)
+    print(f"  the same graph per fused kernel: {f['fused_s'] * 1e3:.2f} ms "
+          f"({f['elementwise_kernels']} element-wise kernels x "
+          f"{f['kernel_overhead_s'] * 1e6:.1f} us, {f['fused_bytes'] / 1e9:.1f} GB moved); "
+          f"per traced equation (the pricing before fused kernels): "
+          f"{f['per_equation_s'] * 1e3:.2f} ms ({f['per_equation_bytes'] / 1e9:.1f} GB), "
+          f"error {f['per_equation_s'] / r['measured_s'] - 1:+.0%}", flush=True)
 
 
 def cpu_methods() -> list[tuple[str, Any]]:

@@ -300,6 +300,12 @@ class Cluster:
         """Total devices: ``num_nodes * devices_per_node``."""
         return self.num_nodes * self.devices_per_node
 
+    def overlaps_collectives(self) -> bool:
+        """Whether collectives run beside compute on this cluster: XLA runs them
+        asynchronously on GPUs and TPUs, in line on CPUs. Presets ("simulated") are GPU
+        clusters."""
+        return self.platform != "cpu"
+
     def node_of(self, device_index: int) -> int:
         """The node holding device ``device_index`` (row-major: ``i // devices_per_node``)."""
         i = require_int(f"Cluster {self.name!r}.node_of", "device_index", device_index, 0)
@@ -345,6 +351,26 @@ class Cluster:
                 f"For other hardware build a Cluster or load one with Cluster.from_json."
             )
         return _PRESETS[name]
+
+    @classmethod
+    def of_gpus(cls, device: str, num_nodes: int = 1, devices_per_node: int = 8) -> Cluster:
+        """``num_nodes`` nodes of ``devices_per_node`` GPUs of a known kind (``"H200"``,
+        ``"H100"``, ``"A100"``, ``"V100"``) with that kind's links, as the presets have
+        them (NVLink inside a node; InfiniBand, or Alpa's 25 Gbit/s Ethernet for V100
+        nodes, between nodes): a cluster to plan for without owning it.
+
+        Raises:
+          ValueError: for an unknown kind or sizes below 1.
+        """
+        if device not in _GPU_LINKS:
+            raise ValueError(f"Cluster.of_gpus: no figures for GPU kind {device!r}; known "
+                             f"kinds: {sorted(_GPU_LINKS)}. For other hardware build a "
+                             "Cluster or measure one with `alpa-lite calibrate`.")
+        require_int("Cluster.of_gpus", "num_nodes", num_nodes, 1)
+        require_int("Cluster.of_gpus", "devices_per_node", devices_per_node, 1)
+        name = (f"{devices_per_node}x{device}" if num_nodes == 1
+                else f"{num_nodes}x{devices_per_node}x{device}")
+        return _gpu_cluster(name, device, num_nodes, devices_per_node)
 
     @classmethod
     def local(cls, *, allow_unknown: bool = False) -> Cluster:
@@ -489,18 +515,23 @@ class Cluster:
 # Links. bandwidth = per-device ring busbw (module docstring); latency = alpha per step.
 # --------------------------------------------------------------------------------------
 
-# NCCL src/graph/tuning.cc, hwLat[NVLINK][Ring][Simple] = 5.7 us per ring step.
+# NCCL src/graph/tuning.cc, hwLat[NVLINK][Ring][Simple] = 5.7 us per ring step (the V100's
+# NVLink 2, for which no all-reduce sweep was found).
 _NVLINK_LATENCY_S = 5.7e-6
 # NCCL src/graph/tuning.cc, hwLat[NET][Ring][Simple] = 6.6 us per ring step (InfiniBand).
 _IB_LATENCY_S = 6.6e-6
 
-# H100 NVLink 4: 450 GB/s per direction line rate; NCCL ring busbw on 8 GPUs ~370 GB/s
-# (sjeaugey, nccl-tests issue 212; data/nccl_allreduce_busbw.csv row "H100 SXM x8, ring").
-# (The ~480 GB/s NVLink SHARP figure is not wire bandwidth and is not used.)
-_NVLINK4_H100_RING_BUSBW_BYTES_PER_S = 370e9
-# A100 NVLink 3: ring busbw on 8 GPUs ~230 GB/s (sjeaugey, nccl-tests issue 149; Azure
-# ND A100 v4 228.1 GB/s at 1 GiB; data/nccl_allreduce_busbw.csv).
-_NVLINK3_A100_RING_BUSBW_BYTES_PER_S = 230e9
+# H100 and A100 NVLink inside a node: alpha (per ring step) and busbw fitted by
+# bench/calibrate_links.py (cost_models.calibration.fit_link, relative-error least squares)
+# to the nccl-tests all_reduce_perf sweeps of 8 GPUs, 1 KiB .. 8 GiB, on Azure ND H100 v5
+# and ND A100 v4 (bench/data/device_microbenchmarks.json; every point within +-30%). Small
+# messages cost ~33 us (H100) / ~46 us (A100) whatever their size; large ones reach
+# 466-479 GB/s on the H100 (NVLink SHARP) and 228-232 GB/s on the A100
+# (data/nccl_allreduce_busbw.csv): the fit's single bandwidth sits between.
+_NVLINK4_H100_LATENCY_S = 2.37e-06
+_NVLINK4_H100_RING_BUSBW_BYTES_PER_S = 4.214e+11
+_NVLINK3_A100_LATENCY_S = 3.256e-06
+_NVLINK3_A100_RING_BUSBW_BYTES_PER_S = 1.974e+11
 # V100 NVLink 2: 300 GB/s aggregate bidirectional per GPU = 150 GB/s per direction (V100
 # datasheet; six 25 GB/s links). [Derived] effective = 150 * (370/450) ~ 123 GB/s, the
 # protocol efficiency NCCL reaches on NVLink 4 (nccl-tests issue 212). The hybrid cube
@@ -537,8 +568,8 @@ _CPU_SHARED_MEMORY_LATENCY_S = 10e-6
 _CPU_LOOPBACK_BYTES_PER_S = 1e9
 _CPU_LOOPBACK_LATENCY_S = 50e-6
 
-_NVLINK4_H100 = LinkSpec("nvlink4", _NVLINK4_H100_RING_BUSBW_BYTES_PER_S, _NVLINK_LATENCY_S)
-_NVLINK3_A100 = LinkSpec("nvlink3", _NVLINK3_A100_RING_BUSBW_BYTES_PER_S, _NVLINK_LATENCY_S)
+_NVLINK4_H100 = LinkSpec("nvlink4", _NVLINK4_H100_RING_BUSBW_BYTES_PER_S, _NVLINK4_H100_LATENCY_S)
+_NVLINK3_A100 = LinkSpec("nvlink3", _NVLINK3_A100_RING_BUSBW_BYTES_PER_S, _NVLINK3_A100_LATENCY_S)
 _NVLINK2_V100 = LinkSpec("nvlink2", _NVLINK2_V100_RING_BUSBW_BYTES_PER_S, _NVLINK_LATENCY_S)
 _IB_NDR = LinkSpec("ib-ndr", _IB_NDR_PER_NIC_BUSBW_BYTES_PER_S, _IB_LATENCY_S)
 _IB_HDR = LinkSpec(

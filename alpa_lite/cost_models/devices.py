@@ -402,7 +402,6 @@ _H100_BF16_FLOPS_PER_S = 989e12
 _H100_FP32_FLOPS_PER_S = 67e12
 _H100_FP64_FLOPS_PER_S = 34e12
 _H100_MEMORY_BYTES = 80e9
-_H100_MEMORY_BANDWIDTH_BYTES_PER_S = 3.35e12
 
 # NVIDIA H200 (SXM) datasheet: the H100's Hopper compute (bf16/fp16 dense tensor 989 TFLOP/s,
 # listed as 1,979 with sparsity; fp32 67 TFLOP/s; fp64 34 TFLOP/s) with HBM3e 141 GB at
@@ -416,7 +415,6 @@ _A100_BF16_FLOPS_PER_S = 312e12
 _A100_FP32_FLOPS_PER_S = 19.5e12
 _A100_FP64_FLOPS_PER_S = 9.7e12
 _A100_MEMORY_BYTES = 80e9
-_A100_MEMORY_BANDWIDTH_BYTES_PER_S = 2.0e12
 
 # NVIDIA V100 SXM2 16GB datasheet (and HARDWARE.md): fp16 tensor 125 TFLOP/s, fp32
 # 15.7 TFLOP/s, fp64 7.8 TFLOP/s, HBM2 16 GB at 900 GB/s.
@@ -427,7 +425,65 @@ _V100_FP32_FLOPS_PER_S = 15.7e12
 _V100_BF16_FLOPS_PER_S = _V100_FP32_FLOPS_PER_S
 _V100_FP64_FLOPS_PER_S = 7.8e12
 _V100_MEMORY_BYTES = 16e9
-_V100_MEMORY_BANDWIDTH_BYTES_PER_S = 900e9
+
+# --- Measured parts (micro-benchmarks, never end-to-end training times) -----------------
+# Sources are rows of bench/data/device_microbenchmarks.json (their quotes and URLs) and
+# bench/data/h100_jax_sweep.json (measured on the lent H100).
+#
+# Memory bandwidth that element-wise kernels reach (the roofline's memory term):
+# H100: 3.21 TB/s, fitted by bench/calibrate_h100.py to the sweep's bf16 gelu and softmax
+#   (bench/results/calibrated_1xH100_fit.json; BabelStream on Azure ND H100 v5: 2.90-2.97).
+# A100: 1.70 TB/s, BabelStream Add/Triad on Azure ND A100 v4 (Copy/Mul 1.61).
+# V100: 740 GB/s, CUDA bandwidthTest device-to-device on a V100-SXM2-16GB (one run).
+_H100_MEMORY_BANDWIDTH_BYTES_PER_S = 3.21e12
+_A100_MEMORY_BANDWIDTH_BYTES_PER_S = 1.70e12
+_V100_MEMORY_BANDWIDTH_BYTES_PER_S = 0.740e12
+# Matmul efficiency by size (FLOPs of one matmul on one device, fraction of the peak):
+# H100: the bf16 JAX sweep with each call's dispatch taken off (bench/calibrate_h100.py;
+#   bench/results/calibrated_1xH100.json) from 6.9e10 FLOPs up, capped at the best a shape
+#   scan reaches, 792.1 of 989 TFLOP/s = 0.80 (stas00/ml-engineering "Maximum Achievable
+#   Matmul FLOPS" table): above it the sweep's points are dispatch-subtraction noise. Below
+#   6.9e10 FLOPs the sweep's rows are mostly per-call overhead (each timed one jitted
+#   call), so the small sizes take the A100's in-loop fall-off at equal time at peak (as
+#   for the V100 below), scaled to the H100's large-matmul efficiency.
+# A100: cuBLASLt fp16 square GEMMs 1024^3 .. 16384^3 and 1024x2145x1024, 6144x12288x12288 on
+#   Azure ND A100 v4 (119.4, 132.8, 221.8, 228.0, 250.8, 253.7, 256.5 TFLOP/s of 312). The
+#   thin 802816x192x768 GEMM of the same table reaches only 0.51 at 2.4e11 FLOPs: efficiency
+#   depends on shape as well as size, which a curve over FLOPs does not see.
+# V100: one figure, fp16 matmul 95 of 125 TFLOP/s (mli/transformers-benchmarks), so 0.76
+#   for large matmuls; the fall-off for small ones is the A100's, taken at equal time at
+#   peak (a matmul of f FLOPs on the V100 behaves like one of f * 312/125 on the A100:
+#   both are bound by launch latency and SM fill below ~50 us).
+_H100_MAX_MATMUL_EFFICIENCY = 792.1 / 989.0
+_H100_SWEEP_CURVE = tuple(
+    (flops, min(eff, _H100_MAX_MATMUL_EFFICIENCY)) for flops, eff in (
+        (6.872e10, 0.941), (2.749e11, 0.859), (5.498e11, 0.824), (1.237e12, 0.819),
+        (4.948e12, 0.729), (1.869e13, 0.713)))
+_A100_MATMUL_CURVE = tuple(
+    (2.0 * m * k * n, tflops * 1e12 / _A100_BF16_FLOPS_PER_S) for m, k, n, tflops in (
+        (1024, 1024, 1024, 119.4), (1024, 1024, 2145, 132.8), (2048, 2048, 2048, 221.8),
+        (4096, 4096, 4096, 228.0), (6144, 12288, 12288, 250.8), (8192, 8192, 8192, 253.7),
+        (16384, 16384, 16384, 256.5)))
+
+
+def _at_equal_time(curve, from_peak: float, to_peak: float, to_large: float):
+    """`curve` (FLOPs, efficiency) of one device moved to another: the same time at peak
+    (FLOPs scaled by the peaks' ratio), efficiencies scaled so the largest is `to_large`."""
+    return tuple((flops * to_peak / from_peak, eff * to_large / curve[-1][1])
+                 for flops, eff in curve)
+
+
+_V100_MATMUL_CURVE = _at_equal_time(_A100_MATMUL_CURVE, _A100_BF16_FLOPS_PER_S,
+                                    _V100_FP16_FLOPS_PER_S, 95e12 / _V100_FP16_FLOPS_PER_S)
+_H100_MATMUL_CURVE = tuple(
+    p for p in _at_equal_time(_A100_MATMUL_CURVE, _A100_BF16_FLOPS_PER_S,
+                              _H100_BF16_FLOPS_PER_S, _H100_MAX_MATMUL_EFFICIENCY)
+    if p[0] < _H100_SWEEP_CURVE[0][0]) + _H100_SWEEP_CURVE
+# Fixed cost of each kernel inside a compiled program: 3.0 us, a raw cuLaunchKernel of an
+# empty kernel (meta-pytorch/tritonbench PR #1017, measured on a GB200: 3.0-3.3 us; no
+# figure for the H100/A100/V100 themselves was found). Not JAX's per-call dispatch (32 us
+# on the lent H100): a train step is one call.
+_GPU_KERNEL_LAUNCH_S = 3.0e-6
 
 # [Nominal] A virtual CPU device (one of --xla_force_host_platform_device_count=N) for tests
 # and CPU planning: 50 GFLOP/s fp32, 16 GiB, 10 GB/s. Not measured; replace by calibration.
@@ -447,6 +503,9 @@ DEVICES: dict[str, DeviceSpec] = {
         ),
         memory_bytes=_H100_MEMORY_BYTES,
         memory_bandwidth_bytes_per_s=_H100_MEMORY_BANDWIDTH_BYTES_PER_S,
+        matmul_efficiency=_H100_MATMUL_CURVE[-1][1],
+        matmul_efficiency_curve=_H100_MATMUL_CURVE,
+        op_overhead_s=_GPU_KERNEL_LAUNCH_S,
     ),
     "H200": DeviceSpec(
         name="H200-SXM-141GB",
@@ -458,6 +517,10 @@ DEVICES: dict[str, DeviceSpec] = {
         ),
         memory_bytes=_H200_MEMORY_BYTES,
         memory_bandwidth_bytes_per_s=_H200_MEMORY_BANDWIDTH_BYTES_PER_S,
+        # The H100's Hopper compute: its measured matmul curve and launch cost.
+        matmul_efficiency=_H100_MATMUL_CURVE[-1][1],
+        matmul_efficiency_curve=_H100_MATMUL_CURVE,
+        op_overhead_s=_GPU_KERNEL_LAUNCH_S,
     ),
     "A100": DeviceSpec(
         name="A100-SXM4-80GB",
@@ -469,6 +532,9 @@ DEVICES: dict[str, DeviceSpec] = {
         ),
         memory_bytes=_A100_MEMORY_BYTES,
         memory_bandwidth_bytes_per_s=_A100_MEMORY_BANDWIDTH_BYTES_PER_S,
+        matmul_efficiency=_A100_MATMUL_CURVE[-1][1],
+        matmul_efficiency_curve=_A100_MATMUL_CURVE,
+        op_overhead_s=_GPU_KERNEL_LAUNCH_S,
     ),
     "V100": DeviceSpec(
         name="V100-SXM2-16GB",
@@ -480,6 +546,9 @@ DEVICES: dict[str, DeviceSpec] = {
         ),
         memory_bytes=_V100_MEMORY_BYTES,
         memory_bandwidth_bytes_per_s=_V100_MEMORY_BANDWIDTH_BYTES_PER_S,
+        matmul_efficiency=_V100_MATMUL_CURVE[-1][1],
+        matmul_efficiency_curve=_V100_MATMUL_CURVE,
+        op_overhead_s=_GPU_KERNEL_LAUNCH_S,
     ),
     "CPU": DeviceSpec(
         name="CPU-virtual-nominal",

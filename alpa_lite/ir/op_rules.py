@@ -154,22 +154,48 @@ def _dot_general(L, prim, params, ins, outs):
 
 
 def _conv(L, prim, params, ins, outs):
+    """out[n, o, win] = sum over c, window of lhs[n, c, win'] * rhs[o, c, window].
+
+    Grouped convolutions split one dimension into (group, member) with the group major:
+    with `feature_group_count` G, input channels are G x (C/G), output features G x (O/G),
+    and group g's output features read only group g's channels (depthwise: C/G = 1); with
+    `batch_group_count` B (the weight gradient of a grouped convolution), the lhs batch is
+    B x (N/B) and group b's output features read only batch group b. A block split of a
+    grouped dimension into parts that each hold whole groups splits the groups, so the
+    grouped dimensions of lhs, rhs and result share one label of size G (or B), which XLA
+    partitions without communication; the member parts (a group's input channels, the
+    result's batch of a batch-grouped convolution) stay whole.
+    """
     lhs, rhs = ins
     if lhs is None or rhs is None:
         return None
     dn = params["dimension_numbers"]
-    if params.get("feature_group_count", 1) != 1 or params.get("batch_group_count", 1) != 1:
-        return None
+    groups = params.get("feature_group_count", 1)
+    batch_groups = params.get("batch_group_count", 1)
     ll = list(L.fresh(lhs))
     rl = list(L.fresh(rhs))
     ol = list(L.fresh(outs[0]))
     n, c = dn.lhs_spec[0], dn.lhs_spec[1]
     o, i = dn.rhs_spec[0], dn.rhs_spec[1]
     on, oc = dn.out_spec[0], dn.out_spec[1]
-    ol[on] = ll[n]
-    ol[oc] = rl[o]
-    rl[i] = ll[c]
-    fixed = {ll[d] for d in dn.lhs_spec[2:]} | {rl[d] for d in dn.rhs_spec[2:]} \
+    fixed = set()
+    if groups > 1:
+        # Channel groups: lhs channels, rhs output features and result features by group;
+        # the channels within a group are contracted whole on each device.
+        ll[c] = rl[o] = ol[oc] = L.new(groups)
+        ol[on] = ll[n]
+        fixed.add(rl[i])
+    elif batch_groups > 1:
+        # Batch groups: lhs batch, rhs output features and result features by group; the
+        # input channels are contracted (split: partial sums), the result's batch whole.
+        ll[n] = rl[o] = ol[oc] = L.new(batch_groups)
+        rl[i] = ll[c]
+        fixed.add(ol[on])
+    else:
+        ol[on] = ll[n]
+        ol[oc] = rl[o]
+        rl[i] = ll[c]
+    fixed |= {ll[d] for d in dn.lhs_spec[2:]} | {rl[d] for d in dn.rhs_spec[2:]} \
         | {ol[d] for d in dn.out_spec[2:]}
     return DimLabels((tuple(ll), tuple(rl)), (tuple(ol),), L.sizes, fixed=frozenset(fixed))
 
@@ -215,9 +241,11 @@ def _reshape_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[i
 
 
 def _reshape(L, prim, params, ins, outs):
-    if params.get("dimensions") not in (None, ()):
-        return None
-    src, dst = tuple(ins[0]), tuple(outs[0])
+    # `dimensions`: the operand is transposed by this permutation before the reshape
+    # (jax's grouped-convolution gradients write weights so). Label the transposed shape,
+    # then hand each label back to the operand dimension it came from.
+    perm = params.get("dimensions") or tuple(range(len(ins[0])))
+    src, dst = tuple(ins[0][d] for d in perm), tuple(outs[0])
     groups = _reshape_groups(src, dst)
     if groups is None:
         return None
@@ -242,7 +270,10 @@ def _reshape(L, prim, params, ins, outs):
                 ol[d] = shared
             else:
                 ol[d] = L.new(dst[d]); fixed.add(ol[d])
-    return DimLabels((tuple(il),) + (None,) * (len(ins) - 1), (tuple(ol),), L.sizes,
+    operand = [0] * len(src)
+    for k, d in enumerate(perm):
+        operand[d] = il[k]
+    return DimLabels((tuple(operand),) + (None,) * (len(ins) - 1), (tuple(ol),), L.sizes,
                      fixed=frozenset(fixed))
 
 
@@ -398,6 +429,11 @@ def _scatter(L, prim, params, ins, outs):
     is_add = prim in ("scatter-add", "scatter_add")
     if not is_add:
         fixed |= {ul[d] for d in scatter_dims if ul[d] not in out}
+    else:
+        # The window stays whole: with its lookups split (partial sums) and its window
+        # split too, XLA's partitioner reduces the whole operand rather than the split the
+        # plan would predict (the compiled HLO of an embedding gradient on a 4x2 mesh).
+        fixed |= {ul[d] for d in window}
     out = tuple(out)
     return DimLabels((out, tuple(il), tuple(ul)), (out,), L.sizes, fixed=frozenset(fixed),
                      reduce_kind="sum" if is_add else None)

@@ -373,12 +373,20 @@ def _split_fb(g: OpGraph, num_primal_inputs: int, num_outputs: int):
             tainted.update(node.outputs)
             bwd_all.add(node.id)
     primal_in = set(g.inputs[:num_primal_inputs])
+    # Values computed from constants alone (a causal mask from iota and a comparison, and
+    # its broadcast to the scores' shape) are not kept from the forward: the backward
+    # computes them again, which costs nothing next to holding a (batch, heads, seq, seq)
+    # mask per micro-batch between the two programs.
+    constant: set[int] = set()
+    for node in g.nodes:
+        if all(t is None or t in constant for t in node.inputs) and node.outputs:
+            constant.update(node.outputs)
     residuals = []
     for node in g.nodes:
         if node.id not in bwd_all:
             continue
         for t in node.inputs:
-            if t is None or t in tainted or t in primal_in or t in residuals:
+            if t is None or t in tainted or t in primal_in or t in residuals or t in constant:
                 continue
             if g.producer(t) is not None:
                 residuals.append(t)

@@ -86,7 +86,7 @@ class Manual:
     gradients all-reduced over dp. With `shard_optimizer_state` the optimizer state is split
     over dp (ZeRO stage 1; single-stage plans only).
 
-    With pp > 1 or num_micro_batches > 1 the step is pipelined: stage s runs on devices
+    With pp > 1, num_micro_batches > 1 or remat the step is pipelined: stage s runs on devices
     s*dp*tp ... (s+1)*dp*tp - 1, the batch is split into `num_micro_batches` micro-batches
     run with `schedule` ("1f1b" or "gpipe"), and `remat=True` recomputes each stage's
     forward in its backward. The loss function's layers (its `al.mark_layer_boundary` calls,
@@ -136,7 +136,9 @@ class Manual:
 
     @property
     def pipelined(self) -> bool:
-        return self.pp > 1 or self.num_micro_batches > 1
+        """Runs as stages (`runtime.pipeline`): more than one stage or micro-batch, or
+        recomputation, which only the staged runtime does (one stage then)."""
+        return self.pp > 1 or self.num_micro_batches > 1 or self.remat
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,10 @@ import json
 from typing import Any
 
 from alpa_lite.errors import PlanMismatchError
+from alpa_lite.plan.memory import MemoryEstimate
 from alpa_lite.plan.methods import Method, method_from_json, method_to_json
 from alpa_lite.plan.sharding import TensorSpec
+from alpa_lite.plan.timing import StepTime, step_time_from_obj, step_time_to_obj
 
 PLAN_FORMAT = "alpa_lite.plan/4"
 
@@ -100,6 +102,9 @@ class StagePlan:
     accumulate_axes: tuple[str, ...] = ()
     local_loss_scale: float = 1.0
     accumulate_note: str = ""
+    # The whole-stage memory estimate per device (`planning.memory`); `peak_memory_bytes`
+    # is its total. None: a plan made without one (read from an older JSON).
+    memory: MemoryEstimate | None = None
 
     def sharding_of(self, name: str) -> TensorSpec:
         for n, spec in self.shardings:
@@ -241,6 +246,8 @@ class Plan:
     stats: PlanningStats = dataclasses.field(default_factory=PlanningStats, compare=False)
     explanation: Explanation | None = None
     gradient_sync: tuple[GradientSync, ...] = ()
+    # Where the estimated step time goes (`planning.step_time`); its total is the estimate.
+    step_time: StepTime | None = None
 
     @property
     def compute_s(self) -> float:
@@ -252,7 +259,10 @@ class Plan:
 
     @property
     def step_time_s(self) -> float:
-        """Estimated time of one training step."""
+        """Estimated time of one training step: `step_time`'s total where the planner
+        broke it down, else the engine's own estimate."""
+        if self.step_time is not None:
+            return self.step_time.total_s
         if self.pipeline is not None:
             return self.pipeline.step_time_s
         if self.compression is not None:
@@ -364,7 +374,7 @@ def _stage_to_obj(s: StagePlan) -> dict[str, Any]:
         "accumulate_axes": list(s.accumulate_axes),
         "local_loss_scale": float(s.local_loss_scale),
         "accumulate_note": s.accumulate_note,
-    }
+    } | ({} if s.memory is None else {"memory": s.memory.to_json()})
 
 
 def _stage_from_obj(o: dict[str, Any]) -> StagePlan:
@@ -388,6 +398,7 @@ def _stage_from_obj(o: dict[str, Any]) -> StagePlan:
         accumulate_axes=tuple(str(a) for a in o["accumulate_axes"]),
         local_loss_scale=float(o["local_loss_scale"]),
         accumulate_note=str(o["accumulate_note"]),
+        memory=MemoryEstimate.from_json(o["memory"]) if o.get("memory") is not None else None,
     )
 
 
@@ -473,6 +484,8 @@ def _plan_to_obj(p: Plan) -> dict[str, Any]:
     # Written only when present, so plans without one keep the JSON they always had.
     if p.explanation is not None:
         obj["explanation"] = _explanation_to_obj(p.explanation)
+    if p.step_time is not None:
+        obj["step_time"] = step_time_to_obj(p.step_time)
     return obj
 
 
@@ -491,7 +504,7 @@ def _plan_from_obj(o: dict[str, Any]) -> Plan:
     expected = {"format", "method", "cluster_name", "cluster_fingerprint",
                 "program_fingerprint", "input_signature", "stages", "unsharded_primitives",
                 "pipeline", "compression", "gradient_sync"}
-    if set(o) - {"explanation"} != expected:
+    if set(o) - {"explanation", "step_time"} != expected:
         raise ValueError(f"unexpected keys {sorted(set(o) - expected)}, missing "
                          f"{sorted(expected - set(o))}")
     return Plan(
@@ -504,4 +517,5 @@ def _plan_from_obj(o: dict[str, Any]) -> Plan:
         pipeline=_pipeline_from_obj(o["pipeline"]),
         compression=_compression_from_obj(o["compression"]),
         gradient_sync=tuple(_sync_from_obj(g) for g in o["gradient_sync"]),
-        explanation=_explanation_from_obj(o["explanation"]) if "explanation" in o else None)
+        explanation=_explanation_from_obj(o["explanation"]) if "explanation" in o else None,
+        step_time=step_time_from_obj(o["step_time"]) if "step_time" in o else None)

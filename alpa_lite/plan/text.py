@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from alpa_lite.plan.methods import describe
+from alpa_lite.plan.timing import StepTime
 
 
 def fmt_bytes(n: float) -> str:
@@ -52,12 +53,13 @@ def plan_summary(plan, max_rows: int = 40) -> str:
                 table.add_row(escape(label), fmt_time(t), "yes" if fits else "no")
             console.print(table)
     elif plan.pipeline is None:
-        console.print(f"estimated step {fmt_time(plan.step_time_s)} = compute "
-                      f"{fmt_time(plan.compute_s)} + communication {fmt_time(plan.comm_s)}; "
+        console.print(f"estimated step {fmt_time(plan.step_time_s)}; "
                       f"peak memory {fmt_bytes(plan.peak_memory_bytes)} per device")
     else:
         console.print(f"estimated step {fmt_time(plan.step_time_s)} (schedule simulated); "
                       f"peak memory {fmt_bytes(plan.peak_memory_bytes)} per device")
+    if plan.step_time is not None:
+        console.print(step_time_table(plan.step_time))
     if plan.pipeline is not None:
         p = plan.pipeline
         console.print(f"pipeline: {len(plan.stages)} stage(s), {plan.schedule}, "
@@ -102,6 +104,22 @@ def plan_summary(plan, max_rows: int = 40) -> str:
             coll.add_row("(none)", "", "", "", "")
         console.print(coll)
     return buf.getvalue()
+
+
+def step_time_table(step_time: StepTime) -> Table:
+    """Where the estimated step time goes: each line of the critical path with its share,
+    then the work that ran beside it (not added)."""
+    total = step_time.total_s or 1.0
+    table = Table(title="where the step time goes", show_edge=False)
+    for col in ("", "time", "share", "how"):
+        table.add_column(col)
+    for line in step_time.lines:
+        table.add_row(line.kind.value, fmt_time(line.seconds), f"{line.seconds / total:.0%}",
+                      escape(line.note))
+    for line in step_time.hidden:
+        table.add_row(f"({line.kind.value})", fmt_time(line.seconds), "hidden",
+                      escape(line.note))
+    return table
 
 
 def gradient_sync_table(plan) -> Table:

@@ -36,9 +36,16 @@ from alpa_lite.cost_models.gradient_sync import (
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import Role
 from alpa_lite.ir.tracing import TracedStep
-from alpa_lite.plan import Accumulation, CompressionSpec, GradientSync, Plan, SyncCollective
+from alpa_lite.plan import (
+    Accumulation,
+    CompressionSpec,
+    GradientSync,
+    Plan,
+    SyncCollective,
+)
 from alpa_lite.plan.methods import Auto, DataParallel, Manual
 from alpa_lite.plan.sharding import itemsize
+from alpa_lite.plan.timing import StepTime, TimeKind, TimeLine
 from alpa_lite.planning.spmd import make_plan
 
 
@@ -152,7 +159,11 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
         uncompressed_step_time_s=step_time(compute, dense), candidates=candidates)
     # What runs: the step per worker, no collective of the data-parallel plan; each
     # gradient leaves through the exchange once per step.
-    stage = dataclasses.replace(dp_plan.stages[0], peak_memory_bytes=memory, collectives=(),
+    est = dp_plan.stages[0].memory
+    if est is not None:     # the exchange's state (error feedback, ...) as workspace
+        est = dataclasses.replace(est, workspace=est.workspace + memory - est.total)
+    stage = dataclasses.replace(dp_plan.stages[0], peak_memory_bytes=memory, memory=est,
+                                collectives=(),
                                 comm_s=spec.sync_s, total_s=step)
     total = sum(leaf.numel * leaf.itemsize for leaf in leaves) or 1
     grads = traced.graph.tensors_with_role(Role.GRAD)
@@ -161,5 +172,10 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
         param=names.get(t.id, t.name), stage=0, accumulation=Accumulation.SINGLE,
         axes=(axis,), collective=SyncCollective.COMPRESSED, compressor=_label(option),
         nbytes=int(t.nbytes), count=1, time_s=spec.sync_s * t.nbytes / total) for t in grads)
+    # The exchange runs after the step's backward (runtime.compressed), or overlaps the
+    # next step when delayed: `step` already says how much of it the step waits for.
+    breakdown = StepTime(lines=(
+        TimeLine(TimeKind.COMPUTE, compute, "the step per worker on its share of the batch"),
+        TimeLine(TimeKind.COMPRESSION, step - compute, _label(option))))
     return dataclasses.replace(dp_plan, method=method, stages=(stage,),
-                               compression=spec, gradient_sync=records)
+                               compression=spec, gradient_sync=records, step_time=breakdown)

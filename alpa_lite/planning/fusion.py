@@ -123,11 +123,28 @@ def _is_cheap(node: Node) -> bool:
             and not is_standalone(node))
 
 
-def fuse(graph: OpGraph) -> FusionResult:
+def _is_row_reduction(graph: OpGraph, node: Node) -> bool:
+    """A reduction over the last dimension of its operand only (a softmax's max and sum, a
+    layer norm's mean and variance)."""
+    operand = graph.tensors[node.inputs[0]] if node.inputs and node.inputs[0] is not None \
+        else None
+    axes = tuple(node.params.get("axes", ()))
+    return operand is not None and len(operand.shape) >= 1 and axes == (len(operand.shape) - 1,)
+
+
+def fuse(graph: OpGraph, row_reductions_fuse: bool = False) -> FusionResult:
     """Groups `graph`'s nodes into kernels and prices each node's share (module docstring).
 
     Args:
       graph: a traced graph (topologically ordered, as `OpGraph` guarantees).
+      row_reductions_fuse: a reduction over only the last dimension keeps its group open,
+        so its consumers join its kernel: XLA:GPU's normalization fusion (the Triton
+        softmax rewriter) runs a softmax or a layer norm as one kernel that reads each row
+        once. Measured on the lent H100: bf16 softmax over [8, 16, S, S] moves its input
+        once and its output once at the element-wise bandwidth (bench/data/h100_jax_sweep.json,
+        `softmax_bf16` rows, fitted with `gelu_bf16` to one bandwidth in
+        bench/results/calibrated_1xH100_fit.json). XLA:CPU ends a loop fusion at every
+        reduction: False there.
 
     Returns:
       The `FusionResult`.
@@ -173,7 +190,7 @@ def fuse(graph: OpGraph) -> FusionResult:
             if ok:
                 group[n.id] = g
                 break
-        if n.primitive in _REDUCTIONS:
+        if n.primitive in _REDUCTIONS and not (row_reductions_fuse and _is_row_reduction(graph, n)):
             closed.add(group[n.id])
 
     # What each group reads from memory. A consumer re-computes a cheap element-wise

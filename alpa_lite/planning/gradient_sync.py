@@ -22,15 +22,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from collections.abc import Mapping, Sequence
 
 from alpa_lite.cost_models.cluster import Cluster, CollectiveKind
+from alpa_lite.cost_models.overlap import FormedGradient, SyncOverlap, bucketed_sync
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.batch import batch_dims
 from alpa_lite.ir.graph import OpGraph, Role
-from alpa_lite.ir.step_parts import StageProgram, StepParts, local_forward, stage_program
+from alpa_lite.ir.step_parts import (
+    StageProgram,
+    StepParts,
+    local_forward,
+    stage_program,
+)
 from alpa_lite.plan import Accumulation, GradientSync, StagePlan, SyncCollective
-from alpa_lite.plan.sharding import CommModel, LogicalMesh, TensorSpec
+from alpa_lite.plan.sharding import CollectiveOp, CommModel, LogicalMesh, TensorSpec
 from alpa_lite.planning.intra_op import StageResult, collective_summaries
 
 
@@ -184,7 +190,14 @@ def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
                 count=m if reduced else 0, time_s=m * time_s))
         note = why if m > 1 and any(r.accumulation is Accumulation.REDUCED
                                     for r in records) else ""
-        return StageSync(dataclasses.replace(stage, accumulate_note=note), tuple(records), 0.0)
+        # Where collectives run beside compute, a reduction overlaps the rest of its
+        # micro-batch's backward: only what outlasts it stays on the stage's critical path.
+        hidden = backward_timeline(fb, result, [g for _, g in grads],
+                                   cluster.overlaps_collectives()).sync.hidden_s
+        return StageSync(dataclasses.replace(
+            stage, accumulate_note=note, backward_s=stage.backward_s - hidden,
+            comm_s=stage.comm_s - hidden, total_s=stage.total_s - hidden),
+            tuple(records), 0.0)
     # The backward runs per device over `axes`: its collectives over them vanish, but for
     # the gradients of activations without the batch in them, summed over the replicas.
     comm = CommModel(cluster, mesh)
@@ -226,30 +239,90 @@ _PASS_THROUGH = frozenset({"add", "add_any", "convert_element_type", "transpose"
                            "copy", "copy_p", "squeeze", "broadcast_in_dim", "reduce_sum"})
 
 
-def grad_reduction(graph: OpGraph, by_node: Mapping[int, tuple], tid: int,
-                   mesh: LogicalMesh) -> tuple[tuple[str, ...], SyncCollective, float]:
-    """How the plan reduces one gradient where it is formed: over which mesh axes, with
-    which collective, and the time (from the collectives at its producer and at the
-    pass-through operators feeding only it)."""
+def grad_reduction_ops(graph: OpGraph, by_node: Mapping[int, tuple], tid: int
+                       ) -> list[tuple[int, CollectiveOp]]:
+    """The collectives that reduce one gradient where it is formed, with the node running
+    each: those at its producer and at the pass-through operators feeding only it."""
     found, stack, seen = [], [graph.producer(tid)], set()
     while stack:
         n = stack.pop()
         if n is None or n in seen:
             continue
         seen.add(n)
-        found += [c for c in by_node.get(n, ())
+        found += [(n, c) for c in by_node.get(n, ())
                   if c.kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)]
         node = graph.nodes[n]
         if node.primitive in _PASS_THROUGH or n == graph.producer(tid):
             for u in node.inputs:
                 if u is not None and len(graph.consumers(u)) == 1:
                     stack.append(graph.producer(u))
+    return found
+
+
+def grad_reduction(graph: OpGraph, by_node: Mapping[int, tuple], tid: int,
+                   mesh: LogicalMesh) -> tuple[tuple[str, ...], SyncCollective, float]:
+    """How the plan reduces one gradient where it is formed: over which mesh axes, with
+    which collective, and the time (`grad_reduction_ops`)."""
+    found = [c for _, c in grad_reduction_ops(graph, by_node, tid)]
     axes = tuple(a for a in mesh.axis_names if any(a in c.axes for c in found))
     if not found:
         return axes, SyncCollective.NONE, 0.0
     kind = SyncCollective.REDUCE_SCATTER if any(
         c.kind is CollectiveKind.REDUCE_SCATTER for c in found) else SyncCollective.ALL_REDUCE
     return axes, kind, float(sum(c.time_s for c in found))
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTimeline:
+    """One program's operators in traced order, with its gradient reductions told apart.
+
+    Attributes:
+      compute_s: every operator's compute.
+      intra_op_s: collectives on the critical path: all but the gradient reductions.
+      update_s: compute after the last gradient is formed (the optimizer update, if the
+        program holds one).
+      sync: the gradient reductions beside the backward (`cost_models.overlap`).
+      reductions: how many gradient reductions run.
+    """
+    compute_s: float
+    intra_op_s: float
+    update_s: float
+    sync: SyncOverlap
+    reductions: int
+
+
+def backward_timeline(graph: OpGraph, result: StageResult, grad_tids: Sequence[int],
+                      overlaps: bool) -> BackwardTimeline:
+    """Plays `graph` under `result`'s plan: each operator's compute, then its collectives
+    (gradient reductions, `grad_reduction_ops`, aside). A gradient is formed when the
+    operator that reduces it has computed; its reductions overlap the rest of the backward
+    in buckets where the platform `overlaps` collectives with compute."""
+    by_node = dict(result.node_collectives)
+    grad_ops: dict[int, list] = {}            # node -> its gradient reductions
+    for tid in grad_tids:
+        for node, op in grad_reduction_ops(graph, by_node, tid):
+            if all(op is not o for o in grad_ops.get(node, ())):
+                grad_ops.setdefault(node, []).append(op)
+    clock, ends, intra_op = 0.0, [], 0.0
+    for node in graph.nodes:
+        clock += result.node_compute_s[node.id]
+        ends.append(clock)
+        mine = grad_ops.get(node.id, ())
+        other = sum(c.time_s for c in by_node.get(node.id, ()) if all(c is not o for o in mine))
+        clock += other
+        intra_op += other
+    # Reshards of tied outputs (node -1) run at the end.
+    intra_op += sum(c.time_s for c in by_node.get(-1, ()))
+    producers = [p for p in (graph.producer(t) for t in grad_tids) if p is not None]
+    last_grad = max(producers, default=-1)
+    backward_end = ends[last_grad] if last_grad >= 0 else 0.0
+    update = sum(result.node_compute_s[i] for i in range(last_grad + 1, len(graph.nodes)))
+    formed = [FormedGradient(ends[node], op.nbytes, op.time_s)
+              for node, ops in sorted(grad_ops.items()) for op in ops]
+    return BackwardTimeline(compute_s=float(sum(result.node_compute_s)), intra_op_s=intra_op,
+                            update_s=update,
+                            sync=bucketed_sync(formed, backward_end, overlaps=overlaps),
+                            reductions=len(formed))
 
 
 def single_stage_sync(graph: OpGraph, result: StageResult, mesh: LogicalMesh,

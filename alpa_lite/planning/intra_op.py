@@ -36,6 +36,7 @@ from alpa_lite.plan.sharding import (
     reshard_collectives,
 )
 from alpa_lite.planning.grouping import Group, build_groups, follow_targets, repeated_group_classes
+from alpa_lite.planning.memory import stage_memory
 from alpa_lite.planning.strategies import (
     HEAVY,
     InputPin,
@@ -99,6 +100,8 @@ class StageResult:
     # The collectives of `stage.collectives`, per graph node that runs them (an operand's
     # reshard counts at its reader); node -1 holds the reshards of tied outputs.
     node_collectives: tuple[tuple[int, tuple[CollectiveOp, ...]], ...] = ()
+    # Per graph node (by id), the compute time of its chosen strategy.
+    node_compute_s: tuple[float, ...] = ()
 
 
 def _live_at_peak(graph: OpGraph) -> set[int]:
@@ -339,7 +342,9 @@ class BuiltStage:
                            ilp_constraints=sol.num_constraints, build_s=self.build_s,
                            solve_s=sol.solve_time_s, memory_bytes=sol.memory_bytes,
                            min_memory_bytes=self.min_memory_bytes,
-                           node_collectives=tuple(sorted(by_node.items())))
+                           node_collectives=tuple(sorted(by_node.items())),
+                           node_compute_s=tuple(units_compute(units, self.group_of,
+                                                              self.groups, sol.choices)))
 
 
 def _tied_problem(graph, units, groups, edges, cls, memory_budget_bytes) -> ShardingProblem:
@@ -383,6 +388,15 @@ def collective_summaries(colls) -> tuple[CollectiveSummary, ...]:
         entry[1] += c.time_s
     return tuple(CollectiveSummary(k, tuple(a), n, cnt, t)
                  for (k, a, n), (cnt, t) in sorted(summary.items()))
+
+
+def units_compute(units: Units, group_of, groups, choices) -> list[float]:
+    """Per graph node, the compute time of the strategy `choices` gives it."""
+    out = []
+    for u in range(units.offset, len(units.strategies)):
+        g = groups[group_of[u]]
+        out.append(units.strategies[u][g.choice[u][choices[group_of[u]]]].compute_s)
+    return out
 
 
 def _assemble(built: "BuiltStage", choices
@@ -454,14 +468,15 @@ def _assemble(built: "BuiltStage", choices
             for tid in node.outputs:
                 table.append((f"{node.name}{'@' + node.scope if node.scope else ''}",
                               spec_of(tid)))
-    live = _live_at_peak(graph)
-    peak = sum(graph.tensors[t].size * itemsize(graph.tensors[t].dtype)
-               / spec_of(t).num_shards(mesh) for t in live)
+    # The whole-stage estimate (planning.memory), not the ILP's linear model.
+    memory = stage_memory(graph, mesh, input_specs, output_specs, tensor_specs,
+                          operand_specs)
     first = mesh.device_offset
     stage = StagePlan(
         devices=tuple(range(first, first + mesh.num_devices)), mesh_shape=mesh.shape,
         axis_names=mesh.axis_names, shardings=tuple(table), collectives=collectives,
-        compute_s=compute, comm_s=comm_s, total_s=compute + comm_s, peak_memory_bytes=peak,
+        compute_s=compute, comm_s=comm_s, total_s=compute + comm_s,
+        peak_memory_bytes=memory.total,
         input_specs=input_specs, output_specs=tuple(output_specs), tensor_specs=tensor_specs,
-        operand_specs=tuple(operand_specs))
+        operand_specs=tuple(operand_specs), memory=memory)
     return stage, {n: tuple(c) for n, c in by_node.items()}

@@ -30,19 +30,48 @@ import numpy as np
 
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.cost_models.collectives import send_recv_time
-from alpa_lite.cost_models.pipeline_schedule import StageTiming, schedule_from_name, simulate
+from alpa_lite.cost_models.pipeline_schedule import (
+    StageTiming,
+    schedule_from_name,
+    simulate,
+)
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.batch import batch_dims
 from alpa_lite.ir.graph import Role
 from alpa_lite.ir.op_rules import DimLabels, enumerate_assignments
-from alpa_lite.ir.step_parts import StageProgram, StepParts, stage_program, structure_hash
-from alpa_lite.plan import Alternative, Explanation, PipelineSpec, Plan, PlanningStats, StagePlan
+from alpa_lite.ir.step_parts import (
+    StageProgram,
+    StepParts,
+    stage_program,
+    structure_hash,
+)
+from alpa_lite.plan import (
+    Alternative,
+    Explanation,
+    PipelineSpec,
+    Plan,
+    PlanningStats,
+    StagePlan,
+)
+from alpa_lite.plan.memory import MemoryEstimate
 from alpa_lite.plan.methods import Auto, Manual
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec, itemsize
 from alpa_lite.planning.gradient_sync import PlannedStage, stage_sync
-from alpa_lite.planning.intra_op import BuiltStage, MeshMemo, StageOptions, StageResult, build_stage
+from alpa_lite.planning.intra_op import (
+    BuiltStage,
+    MeshMemo,
+    StageOptions,
+    StageResult,
+    build_stage,
+)
 from alpa_lite.planning.layers import forward_layers
+from alpa_lite.planning.memory import (
+    held_micro_batches,
+    pipeline_stage_memory,
+    solve_within_memory,
+)
 from alpa_lite.planning.spmd import manual_pins, solver_for
+from alpa_lite.planning.step_time import pipeline_step_time
 from alpa_lite.planning.update_placement import place_update
 from alpa_lite.progress import CLUSTER, DP, ILPS, Progress, report
 from alpa_lite.solvers.stage_dp import (
@@ -201,12 +230,16 @@ class PipelinePlanner:
 
     def _plan(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
               lean: bool) -> StageCost:
-        fb = prog.fb.graph
         res = self.build(prog, mesh, manual, lean).solve()
         with self._lock:
             self.ilps += 1
             self.build_s += res.build_s
             self.solve_s += res.solve_s
+        return self.cost_of(prog, mesh, res)
+
+    def cost_of(self, prog: StageProgram, mesh: LogicalMesh, res: StageResult) -> StageCost:
+        """The `StageCost` of one solved intra-op plan of a range."""
+        fb = prog.fb.graph
         st = res.stage
         spec = dict(st.tensor_specs)
         for t, s in zip(fb.inputs, st.input_specs):
@@ -226,6 +259,45 @@ class PipelinePlanner:
         return StageCost(result=res, forward_s=forward_s, backward_s=st.total_s - forward_s,
                          param_bytes=params * (2.0 + self.opt_ratio), act_bytes=inputs + residual,
                          input_bytes=inputs, output_bytes=out_bytes)
+
+
+def stage_estimate(planner: PipelinePlanner, prog: StageProgram, cost: StageCost,
+                   mesh: LogicalMesh, held: int, remat: bool) -> MemoryEstimate:
+    """The whole-stage memory of a range's plan holding `held` micro-batches
+    (`planning.memory.pipeline_stage_memory`)."""
+    st = cost.result.stage
+    specs = dict(st.tensor_specs)
+    specs.update(zip(prog.fb.graph.inputs, st.input_specs))
+    return pipeline_stage_memory(prog.fb.graph, mesh, specs, prog.fb_params, prog.fb_acts,
+                                 prog.residuals, prog.fb_param_grads, planner.opt_ratio,
+                                 held, remat, st.operand_specs)
+
+
+def _fit_stage(planner: PipelinePlanner, prog: StageProgram, cost: StageCost,
+               mesh: LogicalMesh, manual: Manual | None, lean: bool, held: int, remat: bool,
+               budget: float, s: int) -> tuple[StageCost, MemoryEstimate]:
+    """The stage's plan if its whole-stage estimate fits `budget`, else the range planned
+    again with the ILP's budget tightened by the overshoot (`solve_within_memory`).
+
+    Raises:
+      PlanningError: no plan of the range on `mesh` fits.
+    """
+    est = stage_estimate(planner, prog, cost, mesh, held, remat)
+    if est.total <= budget:
+        return cost, est
+    built = planner.build(prog, mesh, manual, lean)
+    try:
+        res, est = solve_within_memory(
+            built, budget, lambda r: stage_estimate(planner, prog, planner.cost_of(prog, mesh, r),
+                                                    mesh, held, remat))
+    except PlanningError as e:
+        if manual is None:
+            raise PlanningError(f"pipeline stage {s} (holding {held} micro-batch(es) of "
+                                f"activations): {e}") from None
+        # A Manual layout is the user's: the plan is made, flagged by its estimate.
+        warnings.warn(f"{manual!r}: pipeline stage {s} does not fit: {e}", stacklevel=4)
+        return cost, stage_estimate(planner, prog, cost, mesh, held, remat)
+    return planner.cost_of(prog, mesh, res), est
 
 
 def _most_split_params(graph, mesh: LogicalMesh):
@@ -366,17 +438,25 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
     stages = []
     costs = []
     progs = []
-    for (a, b), mesh, remat, lean in chosen:
+    estimates = []
+    budget = (method.memory_budget_bytes if isinstance(method, Auto) else None) or \
+        cluster.device.memory_bytes
+    for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
         prog = planner.program(bounds[a][0], bounds[b][1])
         progs.append(prog)
-        cost = planner.cost(prog, mesh, method if isinstance(method, Manual) else None, lean)
+        manual = method if isinstance(method, Manual) else None
+        cost = planner.cost(prog, mesh, manual, lean)
+        # The planner never returns a stage its whole-stage estimate says does not fit.
+        held = held_micro_batches(method.schedule, len(chosen), s, m)
+        cost, est = _fit_stage(planner, prog, cost, mesh, manual, lean, held, remat, budget, s)
         st = cost.result.stage
         stages.append(dataclasses.replace(
             st, forward_s=cost.forward_s, backward_s=cost.backward_s, layers=(a, b),
             remat=remat,
             total_s=cost.forward_s * (2 if remat else 1) + cost.backward_s,
-            peak_memory_bytes=0.0))
+            peak_memory_bytes=est.total, memory=est))
         costs.append(cost)
+        estimates.append(est)
     S = len(stages)
     # Gradients: accumulated per device and reduced once per step where the stage's batch
     # axes split nothing else (planning.gradient_sync).
@@ -387,21 +467,8 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         stages[s] = sync.stage
         sync_records.extend(sync.records)
         reduce_s.append(sync.reduce_s)
-    for s, cost in enumerate(costs):
-        in_flight = min(S - s, m) if method.schedule == "1f1b" else m
-        act = cost.input_bytes if stages[s].remat else cost.act_bytes
-        stages[s] = dataclasses.replace(stages[s],
-                                        peak_memory_bytes=cost.param_bytes + act * in_flight)
-    if isinstance(method, Auto):
-        budget = method.memory_budget_bytes or cluster.device.memory_bytes
-        over = [s for s, st in enumerate(stages) if st.peak_memory_bytes > budget]
-        if over:
-            warnings.warn(
-                f"stage(s) {over} of the chosen pipeline need up to "
-                f"{max(stages[s].peak_memory_bytes for s in over) / 2**30:.2f} GiB per device, "
-                f"above the {budget / 2**30:.2f} GiB budget: the stage DP's per-layer estimate "
-                "and the whole stage's plan differ. Lower memory_budget_bytes a little, or "
-                "use more micro-batches", stacklevel=3)
+    for s, est in enumerate(estimates):    # stage_sync rebuilds the stage record
+        stages[s] = dataclasses.replace(stages[s], peak_memory_bytes=est.total, memory=est)
     sends = [_send_time(cluster, costs[s].output_bytes, stages[s], stages[s + 1])
              for s in range(S - 1)]
     # Stage s sends its outputs to s + 1, and the gradient of its inputs (the same bytes)
@@ -415,12 +482,14 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
     # over parameters, gradients and optimizer state, read and written, at memory bandwidth.
     apply_s = max(2 * c.param_bytes / cluster.device.memory_bandwidth_bytes_per_s
                   for c in costs)
-    # Each stage reduces its accumulated gradients after its last backward; the stages do
-    # so side by side, so the slowest one's reduction is added to the step.
+    # Each stage reduces its accumulated gradients after its own last backward, side by side
+    # with the others' remaining work (planning.step_time says what is left exposed).
     update_stages, inputs = place_update(parts, progs, stages)
+    breakdown = pipeline_step_time(stages, timings, sim, m, schedule_from_name(method.schedule),
+                                   reduce_s, apply_s)
     spec = PipelineSpec(num_micro_batches=m, schedule=method.schedule, layer_starts=tuple(starts),
                         loss_scale=parts.loss_scale, forward_fingerprint=fwd.fingerprint,
-                        step_time_s=sim.step_time_s + max(reduce_s) + apply_s,
+                        step_time_s=breakdown.total_s,
                         bubble_fraction=sim.bubble_fraction, send_s=tuple(sends),
                         apply_s=apply_s, reduce_s=max(reduce_s),
                         update_stages=update_stages, inputs=inputs)
@@ -441,7 +510,7 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
                 input_signature=input_signature, stages=tuple(stages),
                 unsharded_primitives=unsharded, pipeline=spec, stats=stats,
                 explanation=Explanation(tuple(alternatives)) if alternatives else None,
-                gradient_sync=tuple(sync_records))
+                gradient_sync=tuple(sync_records), step_time=breakdown)
 
 
 def forward_names(parts: StepParts, outer_names: Mapping[int, str]) -> dict[int, str]:
@@ -494,32 +563,37 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
                                                      at_zero)):
                     sums[i] += c.forward_s * (2 if remat else 1) + c.backward_s
             cand = LogicalMesh(shape, ("x", "y"), device_offset=mesh.device_offset)
-            found += [(sums[0], cand, False), (sums[1], cand, True)]
-        return sorted(found, key=lambda f: (f[0], f[2], f[1].shape))
+            found += [(sums[0], cand, False, remat), (sums[1], cand, True, remat)]
+        return found
 
-    plans = [(planner.program(bounds[a][0], bounds[b][1]), candidates(a, b, mesh, remat))
+    def both(a: int, b: int, mesh: LogicalMesh, remat: bool):
+        # The DP's remat choice came from its layer sums; the whole stage may need remat
+        # to fit where the sums did not say so, so a stage without it weighs it too.
+        found = candidates(a, b, mesh, remat) + ([] if remat else candidates(a, b, mesh, True))
+        return sorted(found, key=lambda f: (f[0], f[2], f[3], f[1].shape))
+
+    plans = [(planner.program(bounds[a][0], bounds[b][1]), both(a, b, mesh, remat))
              for (a, b), mesh, remat, _ in chosen]
     planner.prefetch((prog, cands[0][1], None, cands[0][2]) for prog, cands in plans)
     for s, (((a, b), mesh, remat, lean), (prog, cands)) in enumerate(zip(chosen, plans)):
         in_flight = min(S - s, m) if method.schedule == "1f1b" else m
         best = None
         weighed = []
-        for layer_sum, cand, lean_ in cands:
+        for layer_sum, cand, lean_, remat_ in cands:
             if best is not None and not best[0][0] and layer_sum >= best[0][1]:
                 break
-            label = f"mesh {cand.shape}{' lean' if lean_ else ''}{' remat' if remat else ''}"
+            label = f"mesh {cand.shape}{' lean' if lean_ else ''}{' remat' if remat_ else ''}"
             try:
                 c = planner.cost(prog, cand, None, lean_)
             except PlanningError:
                 weighed.append(Alternative("mesh", s, f"{label}: no plan", 0.0, 0.0, False))
                 continue
-            act = c.input_bytes if remat else c.act_bytes
-            memory = c.param_bytes + act * in_flight
-            t = c.forward_s * (2 if remat else 1) + c.backward_s
+            memory = stage_estimate(planner, prog, c, cand, in_flight, remat_).total
+            t = c.forward_s * (2 if remat_ else 1) + c.backward_s
             key = (memory > budget, t)
             weighed.append(Alternative("mesh", s, label, t, memory, memory <= budget))
             if best is None or key < best[0]:
-                best = (key, ((a, b), cand, remat, lean_), len(weighed) - 1)
+                best = (key, ((a, b), cand, remat_, lean_), len(weighed) - 1)
         if alternatives is not None:
             pick = best[2] if best is not None else -1
             alternatives.extend(dataclasses.replace(w, chosen=True) if i == pick else w

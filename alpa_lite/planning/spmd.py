@@ -27,7 +27,9 @@ from alpa_lite.plan import Alternative, Explanation, Plan, PlanningStats
 from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, SolverChoice
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
 from alpa_lite.planning.gradient_sync import single_stage_sync
-from alpa_lite.planning.intra_op import StageOptions, StageResult, plan_stage
+from alpa_lite.planning.intra_op import StageOptions, StageResult, build_stage, plan_stage
+from alpa_lite.planning.memory import solve_within_memory
+from alpa_lite.planning.step_time import single_stage_step_time
 from alpa_lite.progress import ILPS, Progress, report
 from alpa_lite.solvers.sharding_ilp import Solver
 
@@ -203,6 +205,16 @@ def _check_batch(graph: OpGraph, dp: int) -> None:
                 f"divisible by dp={dp}; use a batch size that is a multiple of {dp}")
 
 
+def _solve_fitting(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster, options: StageOptions,
+                   budget: float) -> StageResult:
+    """The stage's cheapest plan whose whole-stage memory estimate (`StagePlan.memory`)
+    fits `budget` per device: the ILP's budget is tightened until it does
+    (`planning.memory.solve_within_memory`); PlanningError where it never does."""
+    res, _ = solve_within_memory(build_stage(graph, mesh, cluster, options), budget,
+                                 lambda r: r.stage.memory)
+    return res
+
+
 def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
               tensor_names: Mapping[int, str] | None = None,
               progress: Progress | None = None) -> Plan:
@@ -230,8 +242,17 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
                                      method_m.shard_optimizer_state,
                                      split_batch=isinstance(method, DataParallel))
         report(progress, ILPS, 0, 1)
-        res = plan_stage(graph, mesh, cluster, dataclasses.replace(options, pin=pin,
-                                                                   node_pin=node_pin))
+        # The layout is the user's; within it the ILP places the rest so that the whole
+        # stage fits the device. Where nothing does, the plan is still made (tools such as
+        # `compare` rank it as "does not fit" by `peak_memory_bytes`), with a warning.
+        manual_options = dataclasses.replace(options, pin=pin, node_pin=node_pin)
+        try:
+            res = _solve_fitting(graph, mesh, cluster, manual_options,
+                                 cluster.device.memory_bytes)
+        except PlanningError as e:
+            res = plan_stage(graph, mesh, cluster, manual_options)
+            warnings.warn(f"{method!r} does not fit cluster {cluster.name!r}: {e}",
+                          stacklevel=3)
         results.append((mesh, res))
         report(progress, ILPS, 1, 1)
     elif isinstance(method_m, Auto):
@@ -244,7 +265,7 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
                                  f"the {n} devices of cluster {cluster.name!r}")
             mesh = LogicalMesh(tuple(shape), ("x", "y"))
             try:
-                res = plan_stage(graph, mesh, cluster, options, memory_budget_bytes=budget)
+                res = _solve_fitting(graph, mesh, cluster, options, budget)
             except PlanningError as e:
                 failures.append(e)
                 report(progress, ILPS, i + 1, len(shapes))
@@ -257,7 +278,11 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
     else:
         raise TypeError(f"method must be al.Auto(), al.Manual(...) or al.DataParallel(), "
                         f"got {method!r}")
-    best_mesh, best = min(results, key=lambda r: (round(r[1].stage.total_s, 12), r[0].shape))
+    # Meshes compete on their whole step (gradient sync overlapped where the platform
+    # overlaps it), not on the ILP's sum of costs.
+    times = {id(r): single_stage_step_time(graph, r, cluster) for _, r in results}
+    best_mesh, best = min(results, key=lambda r: (round(times[id(r[1])].total_s, 12),
+                                                  r[0].shape))
     if best.unsharded_primitives:
         warnings.warn(f"no sharding rule for {', '.join(best.unsharded_primitives)}: these "
                       "operators run replicated on every device (correct, but not split)",
@@ -267,13 +292,13 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
         nodes_before_merge=best.nodes_before_merge, nodes_after_merge=best.nodes_after_merge,
         ilp_nodes=best.ilp_nodes,
         ilp_variables=best.ilp_variables, ilp_constraints=best.ilp_constraints,
-        candidates=tuple((f"{m.shape}", r.stage.total_s) for m, r in results))
+        candidates=tuple((f"{m.shape}", times[id(r)].total_s) for m, r in results))
     explanation = None
     if isinstance(method_m, Auto):
         # For `alpa-lite explain`: every mesh tried, with its estimate (the ILP enforced
         # the budget, so a mesh either has a plan that fits or none).
         budget = method_m.memory_budget_bytes or cluster.device.memory_bytes
-        alts = [Alternative("mesh", 0, f"mesh {m.shape}", r.stage.total_s,
+        alts = [Alternative("mesh", 0, f"mesh {m.shape}", times[id(r)].total_s,
                             r.stage.peak_memory_bytes, r.stage.peak_memory_bytes <= budget,
                             chosen=r is best) for m, r in results]
         alts += [Alternative("mesh", 0, f"mesh {tuple(shape)}: no plan fits", 0.0, 0.0, False)
@@ -284,7 +309,8 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
                 program_fingerprint=traced.fingerprint, input_signature=traced.input_avals,
                 stages=(best.stage,), unsharded_primitives=best.unsharded_primitives,
                 stats=stats, explanation=explanation,
-                gradient_sync=single_stage_sync(graph, best, best_mesh, tensor_names or {}))
+                gradient_sync=single_stage_sync(graph, best, best_mesh, tensor_names or {}),
+                step_time=times[id(best)])
 
 
 def replace_stats(plan: Plan, **kw) -> Plan:

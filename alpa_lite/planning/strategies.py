@@ -98,7 +98,9 @@ class Units:
         self.offset = len(self.source_tensors)
         self.unsharded: set[str] = set()
         self.strategies: list[list[Strategy]] = []
-        self.fusion = fuse(graph)
+        # XLA:GPU runs row-wise normalizations (softmax, layer norm) as one kernel; XLA:CPU
+        # ends a fusion at each reduction (`planning.fusion.fuse`).
+        self.fusion = fuse(graph, row_reductions_fuse=cluster.platform != "cpu")
         for tid in self.source_tensors:
             self.strategies.append(self._input_strategies(graph.tensors[tid], pin))
         # Repeated layers repeat their operators: enumerate each distinct operator once and
