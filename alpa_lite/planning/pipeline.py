@@ -55,8 +55,8 @@ from alpa_lite.plan import (
 )
 from alpa_lite.plan.memory import MemoryEstimate
 from alpa_lite.plan.methods import Auto, Manual
-from alpa_lite.plan.sharding import LogicalMesh, TensorSpec, itemsize
-from alpa_lite.planning.gradient_sync import PlannedStage, stage_sync
+from alpa_lite.plan.sharding import CommModel, LogicalMesh, TensorSpec, itemsize
+from alpa_lite.planning.gradient_sync import PlannedStage, grad_reduction_ops, stage_sync
 from alpa_lite.planning.intra_op import (
     BuiltStage,
     MeshMemo,
@@ -93,6 +93,15 @@ class StageCost:
     act_bytes: float        # per device, per micro-batch in flight, without recomputation
     input_bytes: float      # per device, per micro-batch in flight, with recomputation
     output_bytes: float     # whole activations handed to the next stage, per micro-batch
+    grad_sync_s: float = 0.0   # the parameter gradients' reductions inside one backward
+    reduce_once_s: float = 0.0  # the same bytes reduced once, one collective per kind and axes
+
+    def search_backward_s(self, m: int) -> float:
+        """The backward as the search weighs it per micro-batch: a stage that accumulates
+        its gradients reduces them once per step, in one collective, so each of the m
+        micro-batches carries 1/m of that in place of its own reductions
+        (`planning.gradient_sync` settles it for the chosen stages)."""
+        return self.backward_s - self.grad_sync_s + self.reduce_once_s / m
 
 
 class PipelinePlanner:
@@ -256,9 +265,19 @@ class PipelinePlanner:
         all_flops = max(sum(n.flops for n in fb.nodes), 1.0)
         forward_s = st.total_s * fwd_flops / all_flops
         out_bytes = sum(self.parts.forward.graph.tensors[t].nbytes for t in prog.outputs)
+        by_node = dict(res.node_collectives)
+        sync = {id(c): c for g in prog.fb_param_grads
+                for _, c in grad_reduction_ops(fb, by_node, g)}
+        combined: dict[tuple, int] = {}
+        for c in sync.values():
+            combined[(c.kind, c.axes)] = combined.get((c.kind, c.axes), 0) + c.nbytes
+        comm = CommModel(self.cluster, mesh)
         return StageCost(result=res, forward_s=forward_s, backward_s=st.total_s - forward_s,
                          param_bytes=params * (2.0 + self.opt_ratio), act_bytes=inputs + residual,
-                         input_bytes=inputs, output_bytes=out_bytes)
+                         input_bytes=inputs, output_bytes=out_bytes,
+                         grad_sync_s=sum(c.time_s for c in sync.values()),
+                         reduce_once_s=sum(comm.op(kind, nbytes, axes).time_s
+                                           for (kind, axes), nbytes in combined.items()))
 
 
 def stage_estimate(planner: PipelinePlanner, prog: StageProgram, cost: StageCost,
@@ -561,7 +580,7 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
             for layer in range(a, b + 1):
                 for i, c in enumerate(_layer_options(planner, planner.program(*bounds[layer]),
                                                      at_zero)):
-                    sums[i] += c.forward_s * (2 if remat else 1) + c.backward_s
+                    sums[i] += c.forward_s * (2 if remat else 1) + c.search_backward_s(m)
             cand = LogicalMesh(shape, ("x", "y"), device_offset=mesh.device_offset)
             found += [(sums[0], cand, False, remat), (sums[1], cand, True, remat)]
         return found
@@ -589,7 +608,7 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
                 weighed.append(Alternative("mesh", s, f"{label}: no plan", 0.0, 0.0, False))
                 continue
             memory = stage_estimate(planner, prog, c, cand, in_flight, remat_).total
-            t = c.forward_s * (2 if remat_ else 1) + c.backward_s
+            t = c.forward_s * (2 if remat_ else 1) + c.search_backward_s(m)
             key = (memory > budget, t)
             weighed.append(Alternative("mesh", s, label, t, memory, memory <= budget))
             if best is None or key < best[0]:
@@ -648,7 +667,8 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
                 options = _layer_options(planner, prog, LogicalMesh(shape, ("x", "y")))
                 for kind, c in zip(("fast", "lean"), options):
                     rows.setdefault((si, shape, kind), []).append(
-                        [c.forward_s, c.backward_s, c.param_bytes, c.act_bytes, c.input_bytes])
+                        [c.forward_s, c.search_backward_s(m), c.param_bytes, c.act_bytes,
+                         c.input_bytes])
     prefix = {k: np.vstack([np.zeros(5), np.cumsum(np.array(v), axis=0)])
               for k, v in rows.items()}
     index = {sub: i for i, sub in enumerate(shapes)}
