@@ -171,3 +171,14 @@ def test_remat_alone_runs_as_one_recomputing_stage():
         *args, cluster=al.Cluster.preset("8xA100"))
     assert remat.pipeline is not None and remat.stages[0].remat
     assert remat.step_time.seconds(TimeKind.COMPUTE) > plain.step_time.seconds(TimeKind.COMPUTE)
+
+
+def test_explain_shows_where_the_step_time_goes():
+    from alpa_lite.tools.explain import stage_text
+    step_fn, args = _mlp_step()
+    plan = al.parallelize(step_fn, method=al.Auto()).plan(
+        *args, cluster=al.Cluster.preset("8xA100"))
+    text = stage_text(plan)
+    assert "where the step time goes" in text
+    for line in plan.step_time.lines:
+        assert line.kind.value in text

@@ -36,7 +36,7 @@ from alpa_lite.ir.step_parts import split_step
 from alpa_lite.plan import Plan, StagePlan
 from alpa_lite.plan.methods import Auto, DataParallel, Manual
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
-from alpa_lite.plan.text import fmt_bytes
+from alpa_lite.plan.text import fmt_bytes, step_time_table
 from alpa_lite.planning.intra_op import BuiltStage, StageOptions, build_stage
 from alpa_lite.planning.pipeline import PipelinePlanner, forward_names, layer_node_ranges
 from alpa_lite.planning.spmd import manual_pins
@@ -76,6 +76,8 @@ def stage_text(plan: Plan, stage: int | None = None) -> str:
         raise ValueError(f"--stage {stage}: the plan has stages 0..{len(plan.stages) - 1}")
     console.print(f"plan: {type(plan.method).__name__} on {plan.cluster_name}, "
                   f"{len(plan.stages)} stage(s), estimated step {fmt_time(plan.step_time_s)}")
+    if plan.step_time is not None and stage is None:
+        console.print(step_time_table(plan.step_time))
     for s, st in enumerate(plan.stages):
         if stage is not None and s != stage:
             continue
