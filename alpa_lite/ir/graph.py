@@ -14,6 +14,7 @@ import math
 from types import MappingProxyType
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 
@@ -25,6 +26,40 @@ class Role(enum.Enum):
     GRAD = "grad"              # a gradient produced by al.value_and_grad / al.grad
     CONST = "const"            # a constant captured by the traced function
     ACTIVATION = "activation"  # everything else
+
+
+# JAX's extended dtypes met while tracing (typed PRNG keys: "key<fry>"), by name: numpy
+# cannot interpret their names, so the graph keeps the dtype objects to rebuild avals.
+_EXTENDED_DTYPES: dict[str, Any] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The graph's name for a dtype: numpy's ("float32"), or JAX's own for its extended
+    dtypes (typed PRNG keys: "key<fry>")."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        _EXTENDED_DTYPES[str(dtype)] = dtype
+        return str(dtype)
+    return str(np.dtype(dtype))
+
+
+def as_dtype(name: str) -> Any:
+    """The dtype `dtype_name` named (for `jax.ShapeDtypeStruct`)."""
+    if name in _EXTENDED_DTYPES:
+        return _EXTENDED_DTYPES[name]
+    return np.dtype(name)
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element; a typed key holds its implementation's uint32 words."""
+    d = as_dtype(name)
+    if jax.dtypes.issubdtype(d, jax.dtypes.extended):
+        return int(np.prod(d._impl.key_shape)) * 4
+    return d.itemsize
+
+
+def is_key(name: str) -> bool:
+    """Whether a dtype name is a typed PRNG key's."""
+    return name in _EXTENDED_DTYPES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,7 +77,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * dtype_itemsize(self.dtype)
 
     def replace(self, **kw) -> "Tensor":
         return dataclasses.replace(self, **kw)

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.batch import batch_dims
-from alpa_lite.ir.graph import Node, Role
+from alpa_lite.ir.graph import Node, Role, as_dtype
 from alpa_lite.ir.op_rules import ELEMENTWISE, dim_labels
 from alpa_lite.ir.tracing import TracedStep
 
@@ -137,6 +138,10 @@ def _check_structure(micro: TracedStep, full: TracedStep, m: int) -> None:
         "at every batch size: avoid Python branches on the batch size in the loss"
         + (", use micro-batches of more than one example (JAX treats size-1 dimensions "
            "specially)" if tiny else "") + ", or use num_micro_batches=1")
+
+
+# Primitives that draw random numbers of a requested shape.
+_RANDOM_DRAWS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 
 
 class _Checker:
@@ -402,7 +407,7 @@ class _Checker:
                 "different ways (e.g. one divided by the batch size and one not, or a constant "
                 "added to x / batch_size); divide by the batch size after the sum over "
                 "examples (a plain mean), or use num_micro_batches=1")
-        float_out = all(np.issubdtype(np.dtype(self.gf.tensors[t].dtype), np.inexact)
+        float_out = all(jnp.issubdtype(as_dtype(self.gf.tensors[t].dtype), jnp.inexact)
                         for t in node.outputs)
         if prim in _LINEAR and float_out and dep[0][0] == 0 and all(
                 self.close(self.ratio[t], 1.0) for p, t in dep[1:]) and (
@@ -454,7 +459,7 @@ class _Checker:
                     f"term {self.m} times. Use a mean over examples for the data term (then "
                     "the term is counted once), or use num_micro_batches=1")
         elif prim in _TAIL_LINEAR and tails == [0] and not self.literal_differs(node) and all(
-                np.issubdtype(np.dtype(self.gf.tensors[t].dtype), np.inexact)
+                jnp.issubdtype(as_dtype(self.gf.tensors[t].dtype), jnp.inexact)
                 for t in node.outputs):
             r = rs[0]
         else:
@@ -470,6 +475,15 @@ class _Checker:
         src = next((self.origin[t] for t in node.inputs
                     if t is not None and self.kind[t] is SIZED and t in self.origin), None)
         came = f", computed from {_op(src)}" if src is not None and src is not node else ""
+        if src is not None and src.primitive in _RANDOM_DRAWS:
+            # Random numbers of the batch's shape (a dropout mask) are drawn once for the
+            # whole batch; a micro-batch drawing its own from the same key gets others.
+            return (f"{_op(node)} uses random numbers drawn for the whole batch at once "
+                    f"({_op(src)}, e.g. a dropout mask): a micro-batch drawing its own "
+                    "would get different ones, so a micro-batched plan cannot reproduce the "
+                    "step. Use a plan without micro-batches (al.DataParallel(), al.Auto(), "
+                    "al.Manual with num_micro_batches=1: they draw exactly as jax.jit does), "
+                    "or draw per example (jax.random.fold_in(key, example_index))")
         return (f"{_op(node)} uses a value that depends on the batch size"
                 f"{came} (e.g. jnp.arange(batch_size), or x.shape[0] used other than as the "
                 "divisor of a mean): a micro-batch would see a different value; compute it "

@@ -19,6 +19,8 @@ import itertools
 import math
 from typing import Any, Mapping, Sequence
 
+import jax
+
 # Ops that combine operands of one shape element by element (rank-0 operands broadcast).
 ELEMENTWISE = frozenset("""
 abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp complex conj copy
@@ -26,7 +28,7 @@ copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamm
 integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
 population_count pow real reduce_precision rem round rsqrt select_n shift_left
 shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh
-xor convert_element_type threefry2x32 random_wrap random_unwrap
+xor convert_element_type threefry2x32 random_wrap random_unwrap bitcast_convert_type
 """.split())
 
 # How partial results of a reduction are combined (all are an all-reduce in HLO).
@@ -356,6 +358,26 @@ def _iota(L, prim, params, ins, outs):
     return DimLabels((), (L.fresh(outs[0]),), L.sizes)
 
 
+def _top_k(L, prim, params, ins, outs):
+    """The k largest along the last dimension: the other dimensions split freely, the last
+    stays whole (values and indices alike)."""
+    if ins[0] is None or not len(ins[0]):
+        return None
+    labels = L.fresh(ins[0])
+    k = L.new(outs[0][-1])
+    out = tuple(labels[:-1]) + (k,)
+    return DimLabels((labels,), (out, out), L.sizes, fixed=frozenset({labels[-1], k}))
+
+
+def _random_bits(L, prim, params, ins, outs):
+    """Bits drawn from one key: any split of the result draws, shard by shard, exactly the
+    bits of the whole, when JAX's threefry is partitionable (`jax_threefry_partitionable`,
+    on by default); otherwise, and for a batch of keys, no rule (replicated)."""
+    if ins[0] is None or len(ins[0]) or not jax.config.jax_threefry_partitionable:
+        return None
+    return DimLabels((None,), (L.fresh(outs[0]),), L.sizes)
+
+
 def _index_dims(indices: Sequence[int], n_batch: int) -> list[int] | None:
     """The dimensions of a gather/scatter index array that enumerate lookups (all but the
     trailing index-vector dimension)."""
@@ -449,6 +471,8 @@ _RULES = {
     "argmax": _argminmax,
     "argmin": _argminmax,
     "iota": _iota,
+    "random_bits": _random_bits,
+    "top_k": _top_k,
     "slice": _same_rank_with_fixed(_slice_fixed),
     "dynamic_slice": _same_rank_with_fixed(_slice_fixed),
     "dynamic_update_slice": _same_rank_with_fixed(_dus_fixed),

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from alpa_lite.errors import PlanningError
-from alpa_lite.ir.graph import OpGraph, Role
+from alpa_lite.ir.graph import OpGraph, Role, as_dtype
 from alpa_lite.ir.microbatch import check_microbatching
 from alpa_lite.ir.replay import replay
-from alpa_lite.ir.tracing import TracedStep, trace, trace_flat
+from alpa_lite.ir.tracing import TracedStep, random_key_inputs, trace, trace_flat
 
 GRAD_CALL = "alpa_grad_call"
 
@@ -93,10 +93,22 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
                 "the step; a pipelined plan needs the loss function's array arguments to be "
                 "step arguments (pass them in, or compute them inside the loss function)")
     m = num_micro_batches
-    avals, roles, names, batch_inputs = [], [], [], []
     diff = set(call.grad_leaves)
+    full_roles = [Role.PARAM if pos in diff else
+                  Role.BATCH if tid is not None and g.tensors[tid].role is Role.BATCH
+                  else Role.OPT_STATE for pos, tid in enumerate(node.inputs)]
+    full_names = [g.tensors[tid].name if tid is not None else f"const{pos}"
+                  for pos, tid in enumerate(node.inputs)]
+    full = trace_flat(lambda *xs: (call.loss(*xs),),
+                      [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in call.avals],
+                      full_roles, full_names)
+    # Random keys handed in with the batch (their use is inside the loss function) are
+    # not batch data: every micro-batch reads the whole key.
+    fg = full.graph
+    keys = {fg.inputs.index(t) for t in random_key_inputs(fg.nodes, fg.tensors, fg.inputs)}
+    avals, roles, names, batch_inputs = [], [], [], []
     for pos, (aval, tid) in enumerate(zip(call.avals, node.inputs)):
-        is_batch = tid is not None and g.tensors[tid].role is Role.BATCH
+        is_batch = tid is not None and g.tensors[tid].role is Role.BATCH and pos not in keys
         name = g.tensors[tid].name if tid is not None else f"const{pos}"
         shape = tuple(aval.shape)
         if is_batch:
@@ -114,14 +126,23 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
         names.append(name)
         batch_inputs.append(is_batch)
     forward = trace_flat(lambda *xs: (call.loss(*xs),), avals, roles, names)
+    leaked = [f"{v.dtype}{list(v.shape)}" for v in forward.consts.values()
+              if isinstance(v, jax.core.Tracer)]
+    if leaked:
+        raise PlanningError(
+            f"the loss function given to al.value_and_grad closes over {len(leaked)} value(s) "
+            f"computed in the step ({', '.join(leaked[:3])}): a pipelined plan runs the loss "
+            "function apart from the step, so pass those values to it as arguments "
+            "(al.value_and_grad(loss)(params, batch, extra) differentiates the first only)")
     out = forward.graph.tensors[forward.graph.outputs[0]]
     if out.shape != () or not _is_float(out.dtype):
         raise PlanningError(f"the loss must be a float scalar, got {out.dtype}{list(out.shape)}")
     scale = 1.0
     if m > 1:
-        full = trace_flat(lambda *xs: (call.loss(*xs),),
-                          [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in call.avals],
-                          roles, names)
+        if keys:
+            full = trace_flat(lambda *xs: (call.loss(*xs),),
+                              [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
+                               for a in call.avals], roles, names)
         scale = check_microbatching(forward, full, m)
     return StepParts(outer=outer, grad_node=node.id, call=call, forward=forward,
                      batch_inputs=tuple(batch_inputs), num_micro_batches=m, loss_scale=scale)
@@ -152,7 +173,7 @@ def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
                         f"batch leaf {tt.name} has {shape[0]} examples per micro-batch, "
                         f"which do not split over {replicas} replicas")
                 shape = (shape[0] // replicas,) + shape[1:]
-            avals.append(jax.ShapeDtypeStruct(shape, np.dtype(tt.dtype)))
+            avals.append(jax.ShapeDtypeStruct(shape, as_dtype(tt.dtype)))
             roles.append(tt.role)
             names.append(tt.name)
         call = parts.call
@@ -235,7 +256,7 @@ def _param_dependent(forward: OpGraph) -> frozenset[int]:
 
 
 def _is_float(dtype: str) -> bool:
-    return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))   # bfloat16 included
+    return bool(jnp.issubdtype(as_dtype(dtype), jnp.floating))   # bfloat16 included
 
 
 def range_io(forward: OpGraph, start: int, stop: int) -> tuple[list[int], list[int]]:
@@ -332,7 +353,7 @@ def stage_program(forward: TracedStep, start: int, stop: int,
     roles = [Role.PARAM] * P + [Role.BATCH] * (len(avals) - P)
     names = [g.tensors[t].name for t in params + acts] + \
         [f"d/{g.tensors[t].name}" for t, d in zip(outs, diff_outs) if d]
-    fb_traced = trace_flat(fb, [jax.ShapeDtypeStruct(t.shape, np.dtype(t.dtype)) for t in avals],
+    fb_traced = trace_flat(fb, [jax.ShapeDtypeStruct(t.shape, as_dtype(t.dtype)) for t in avals],
                            roles, names)
     fwd, bwd, remat, residuals = _split_fb(fb_traced.graph, P + A, len(outs))
     return StageProgram(start=start, stop=stop, fb=fb_traced, params=tuple(params),

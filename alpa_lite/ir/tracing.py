@@ -26,7 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
-from alpa_lite.ir.graph import Node, OpGraph, Role, Tensor
+from alpa_lite.ir.graph import (
+    Node,
+    OpGraph,
+    Role,
+    Tensor,
+    dtype_itemsize,
+    dtype_name,
+    is_key,
+)
 from alpa_lite.ir.markers import PARAM, boundary_p, capture_grad_calls, marker_p
 
 # Calls whose body is inlined into the flat graph, and where each keeps its body.
@@ -75,7 +83,7 @@ class _Builder:
     def new_tensor(self, aval, name: str = "", role: Role = Role.ACTIVATION) -> int:
         tid = len(self.tensors)
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
-        dtype = str(np.dtype(getattr(aval, "dtype", np.float32)))
+        dtype = dtype_name(getattr(aval, "dtype", np.float32))
         self.tensors.append(Tensor(tid, shape, dtype, name or f"t{tid}", role))
         return tid
 
@@ -154,11 +162,7 @@ def _nbytes(aval) -> int:
     dtype = getattr(aval, "dtype", None)
     if dtype is None:
         return 0
-    try:
-        item = np.dtype(dtype).itemsize
-    except TypeError:  # extended dtypes (PRNG keys)
-        item = 8
-    return math.prod(shape) * item
+    return math.prod(shape) * dtype_itemsize(dtype_name(dtype))
 
 
 def _size(aval) -> int:
@@ -295,6 +299,11 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
     b, input_ids, output_ids = _build(closed, roles, input_names, distinct_outputs=False)
     _eliminate_dead_code(b, input_ids, output_ids, b.boundaries)
     tensors = list(b.tensors)
+    # A random key handed in with the batch is not batch data: it is never split over the
+    # batch (each device and micro-batch draws from the whole step's key).
+    for tid in random_key_inputs(b.nodes, tensors, input_ids):
+        if tensors[tid].role is Role.BATCH:
+            tensors[tid] = tensors[tid].replace(role=Role.OPT_STATE)
     for tid, role in b.roles.items():
         t = tensors[tid]
         if role is Role.PARAM and t.role is Role.OPT_STATE:
@@ -310,12 +319,30 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
     graph = OpGraph(tensors=tuple(tensors), nodes=tuple(b.nodes), inputs=tuple(input_ids),
                     outputs=tuple(output_ids),
                     output_ties=_tie_outputs(args, out_shape, in_tree))
-    input_avals = tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in flat_abstract)
+    input_avals = tuple((tuple(a.shape), dtype_name(a.dtype)) for a in flat_abstract)
     return TracedStep(graph=graph, primitives=tuple(b.primitives),
                       literals=MappingProxyType(b.literals), consts=MappingProxyType(b.consts),
                       in_tree=in_tree, out_tree=out_tree, input_avals=input_avals,
                       fingerprint=_fingerprint(graph), boundaries=tuple(b.boundaries),
                       grad_calls=tuple(calls))
+
+
+# Primitives that read a raw uint32 key (`jax.random.PRNGKey`) as key data.
+_KEY_READERS = frozenset({"random_wrap", "threefry2x32", "random_bits", "random_split",
+                          "random_fold_in"})
+
+
+def random_key_inputs(nodes, tensors, input_ids) -> list[int]:
+    """The step inputs that are random keys: typed keys (`jax.random.key`), and uint32
+    arrays read as key data (`jax.random.PRNGKey`)."""
+    readers: dict[int, set[str]] = {}
+    for node in nodes:
+        for t in node.inputs:
+            if t is not None:
+                readers.setdefault(t, set()).add(node.primitive)
+    return [tid for tid in input_ids
+            if is_key(tensors[tid].dtype)
+            or (tensors[tid].dtype == "uint32" and readers.get(tid, set()) & _KEY_READERS)]
 
 
 def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
@@ -337,7 +364,7 @@ def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
                       literals=MappingProxyType(b.literals), consts=MappingProxyType(b.consts),
                       in_tree=jax.tree_util.tree_structure(tuple(structs)),
                       out_tree=jax.tree_util.tree_structure(tuple(output_ids)),
-                      input_avals=tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in structs),
+                      input_avals=tuple((tuple(a.shape), dtype_name(a.dtype)) for a in structs),
                       fingerprint=_fingerprint(graph), boundaries=tuple(boundaries))
 
 
@@ -454,7 +481,7 @@ def _tie_outputs(args, out_shape, in_tree) -> tuple[int | None, ...]:
 
 def _leaf_sig(x) -> tuple[tuple[int, ...], str]:
     dtype = getattr(x, "dtype", None)
-    return tuple(np.shape(x)), str(np.dtype(dtype if dtype is not None else np.asarray(x).dtype))
+    return tuple(np.shape(x)), dtype_name(dtype if dtype is not None else np.asarray(x).dtype)
 
 
 def _fingerprint(graph: OpGraph) -> str:

@@ -180,7 +180,7 @@ class CommModel:
 def itemsize(dtype: str) -> int:
     try:
         return np.dtype(dtype).itemsize
-    except TypeError:  # extended dtypes such as PRNG keys
+    except TypeError:  # extended dtypes such as PRNG keys (threefry: two uint32 words)
         return 8
 
 

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpa_lite.cost_models.pipeline_schedule import schedule_from_name, stage_order
 from alpa_lite.errors import PlanMismatchError
-from alpa_lite.ir.graph import Role
+from alpa_lite.ir.graph import Role, as_dtype
 from alpa_lite.ir.replay import replay
 from alpa_lite.ir.step_parts import (
     StageProgram,
@@ -286,7 +286,7 @@ class PipelineExecutable:
             prog, fb = st.prog, st.prog.fb.graph
 
             def avals(ids, shardings):
-                return [jax.ShapeDtypeStruct(fb.tensors[t].shape, np.dtype(fb.tensors[t].dtype),
+                return [jax.ShapeDtypeStruct(fb.tensors[t].shape, as_dtype(fb.tensors[t].dtype),
                                              sharding=sh) for t, sh in zip(ids, shardings)]
             params = avals(prog.fb_params, st.param_in)
             acts = avals(prog.fb_acts, st.act_in)
@@ -299,7 +299,7 @@ class PipelineExecutable:
                 f"stage {s} backward", m)
             if st.reduce is not None:
                 stacked = [jax.ShapeDtypeStruct((st.replicas,) + tuple(fb.tensors[t].shape),
-                                                np.dtype(fb.tensors[t].dtype), sharding=sh)
+                                                as_dtype(fb.tensors[t].dtype), sharding=sh)
                            for t, sh in zip(prog.fb_param_grads, st.grad_stacked)]
                 out += compiled_collectives(st.reduce.lower(stacked).compile().as_text(),
                                             f"stage {s} gradient reduction")

@@ -1,0 +1,101 @@
+"""Random keys are values like any other: typed (`jax.random.key`) and raw uint32
+(`jax.random.PRNGKey`) keys in the batch or beside it trace, plan and run, are never split
+along the batch, and draw exactly what the undecorated step draws; a micro-batched plan,
+which cannot, refuses by name."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import alpa_lite as al
+from alpa_lite.errors import PlanningError
+from alpa_lite.ir.graph import Role
+
+TX = optax.sgd(0.1)
+
+
+def _dropout_loss(p, batch):
+    h = jnp.tanh(batch["x"] @ p["w1"])
+    keep = jax.random.bernoulli(batch["key"], 0.9, h.shape)
+    h = jnp.where(keep, h / 0.9, 0.0)
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+
+def _step(p, s, batch):
+    loss, g = al.value_and_grad(_dropout_loss)(p, batch)
+    u, s = TX.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+
+def _args(key):
+    p = {"w1": jax.random.normal(jax.random.key(1), (16, 32)),
+         "w2": jax.random.normal(jax.random.key(2), (32, 8))}
+    batch = {"x": jax.random.normal(jax.random.key(3), (32, 16)), "key": key}
+    return p, TX.init(p), batch
+
+
+def _assert_same(out, ref):
+    np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+KEYS = {"typed": lambda: jax.random.key(7), "raw": lambda: jax.random.PRNGKey(7)}
+PLANS = {"dp": al.DataParallel(), "auto": al.Auto(), "dp2_tp4": al.Manual(dp=2, tp=4)}
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("kind", list(KEYS))
+def test_dropout_key_in_the_batch_draws_as_jit_does(kind, plan):
+    args = _args(KEYS[kind]())
+    ref = jax.jit(_step)(*args)
+    step = al.parallelize(_step, method=PLANS[plan])
+    _assert_same(step(*args), ref)
+    # The key is not batch data: it keeps its whole shape on every device.
+    graph = step.trace(*args).graph
+    key = next(graph.tensors[t] for t in graph.inputs if graph.tensors[t].name.endswith("key"))
+    assert key.role is Role.OPT_STATE
+
+
+@pytest.mark.parametrize("kind", list(KEYS))
+def test_micro_batched_plan_refuses_batch_shaped_randomness_by_name(kind):
+    args = _args(KEYS[kind]())
+    step = al.parallelize(_step, method=al.Manual(dp=4, pp=2, num_micro_batches=2))
+    with pytest.raises(PlanningError, match="random numbers drawn for the whole batch"):
+        step.plan(*args)
+
+
+class _DropoutCNN(nn.Module):
+    """A Flax CNN written as its docs write one: `nn.Dropout` fed by an `rngs` key."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        x = nn.Dropout(0.25, deterministic=not train)(x)
+        x = x.reshape(x.shape[0], -1)
+        return nn.Dense(4)(x)
+
+
+def test_flax_dropout_with_an_rngs_key_matches_jit():
+    model = _DropoutCNN()
+    x = jax.random.normal(jax.random.key(0), (16, 8, 8, 3))
+    y = jax.random.randint(jax.random.key(1), (16,), 0, 4)
+    params = model.init(jax.random.key(2), x, train=False)["params"]
+    tx = optax.adam(1e-2)
+
+    def loss_fn(params, x, y, key):
+        logits = model.apply({"params": params}, x, train=True, rngs={"dropout": key})
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def step(params, opt_state, batch):
+        loss, g = al.value_and_grad(loss_fn)(params, batch["x"], batch["y"], batch["key"])
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    for key in (jax.random.key(5), jax.random.PRNGKey(5)):
+        args = (params, tx.init(params), {"x": x, "y": y, "key": key})
+        ref = jax.jit(step)(*args)
+        _assert_same(al.parallelize(step, method=al.DataParallel())(*args), ref)

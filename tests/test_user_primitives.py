@@ -1,0 +1,94 @@
+"""Primitives users' models hit (issue "8 ·", point 7): custom_vjp and custom_jvp functions,
+jax.checkpoint with a policy, jnp.take with clipped and filled indices, argsort, top_k,
+cumsum, and integer and boolean parameters that take no gradient: traced, planned and run
+under every plan kind, equal to jax.jit; a loss that closes over step values is refused
+for pipelines by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import alpa_lite as al
+from alpa_lite.errors import PlanningError
+
+
+@jax.custom_vjp
+def _relu(x):
+    return jnp.maximum(x, 0)
+
+
+_relu.defvjp(lambda x: (_relu(x), x), lambda x, g: (g * (x > 0),))
+
+
+@jax.custom_jvp
+def _softplus(x):
+    return jnp.log1p(jnp.exp(x))
+
+
+_softplus.defjvp(lambda p, t: (_softplus(p[0]), t[0] * jax.nn.sigmoid(p[0])))
+
+_block = jax.checkpoint(lambda w, h: jnp.tanh(h @ w),
+                        policy=jax.checkpoint_policies.dots_saveable)
+
+
+def _loss(diff, batch, rest):
+    h = _softplus(_relu(batch["x"] @ diff["w1"]))
+    h = _block(diff["w2"], h)
+    e = jnp.take(diff["emb"], batch["ids"], axis=0, mode="clip")
+    e2 = jnp.take(diff["emb"], batch["ids"] + 100, axis=0, mode="fill", fill_value=0.0)
+    top, _ = jax.lax.top_k(h, 4)
+    order = jnp.argsort(h, axis=-1)
+    scale = rest["count"].astype(jnp.float32) * rest["flag"]
+    return (jnp.mean(h) + jnp.mean(e) + jnp.mean(e2) + jnp.mean(top)
+            + 1e-3 * jnp.mean(jnp.cumsum(h, axis=-1)) + 1e-6 * jnp.mean(order) + 0.0 * scale)
+
+
+# SGD: Adam divides by the gradient's magnitude, turning round-off in near-zero gradients
+# (summation order differs between plans) into visible differences.
+TX = optax.sgd(0.1)
+
+
+def _step(params, opt_state, batch):
+    diff = {k: params[k] for k in ("w1", "w2", "emb")}
+    rest = {k: params[k] for k in ("count", "flag")}
+    loss, g = al.value_and_grad(_loss)(diff, batch, rest)
+    u, opt_state = TX.update(g, opt_state, diff)
+    return {**optax.apply_updates(diff, u), **rest}, opt_state, loss
+
+
+def _args():
+    k = jax.random.split(jax.random.key(0), 5)
+    params = {"w1": jax.random.normal(k[0], (16, 32)), "w2": jax.random.normal(k[1], (32, 32)),
+              "emb": jax.random.normal(k[2], (50, 16)), "count": jnp.int32(3),
+              "flag": jnp.bool_(True)}
+    opt_state = TX.init({n: params[n] for n in ("w1", "w2", "emb")})
+    batch = {"x": jax.random.normal(k[3], (32, 16)),
+             "ids": jax.random.randint(k[4], (32,), 0, 60)}
+    return params, opt_state, batch
+
+
+@pytest.mark.parametrize("method", [al.DataParallel(), al.Auto(), al.Manual(dp=2, tp=4),
+                                    al.Manual(dp=4, pp=2, num_micro_batches=2)],
+                         ids=["dp", "auto", "dp2_tp4", "dp4_pp2_m2"])
+def test_user_primitives_run_under_every_plan(method):
+    args = _args()
+    ref = jax.jit(_step)(*args)
+    out = al.parallelize(_step, method=method)(*args)
+    np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_loss_closing_over_step_values_is_refused_for_pipelines_by_name():
+    def step(params, opt_state, batch):
+        diff = {k: params[k] for k in ("w1", "w2", "emb")}
+        rest = {k: params[k] for k in ("count", "flag")}
+        loss, g = al.value_and_grad(lambda d, b: _loss(d, b, rest))(diff, batch)
+        u, opt_state = TX.update(g, opt_state, diff)
+        return {**optax.apply_updates(diff, u), **rest}, opt_state, loss
+
+    plan = al.parallelize(step, method=al.Manual(dp=4, pp=2, num_micro_batches=2))
+    with pytest.raises(PlanningError, match="closes over 2 value"):
+        plan.plan(*_args())
