@@ -197,3 +197,26 @@ def test_wide_resnet_with_whole_batch_norm_raises(monkeypatch):
     monkeypatch.setattr(wide_resnet, "norm", whole_batch_norm)
     with pytest.raises(PlanningError, match="batch statistics"):
         check_example("wide_resnet", 2)
+
+
+def test_micro_batches_of_one_example_run_as_jit_does():
+    """At one example per micro-batch JAX traces size-1 dimensions its own way (the GPT's
+    reshapes); the proof is made at two examples and the plan runs at one."""
+    import optax
+
+    import alpa_lite as al
+    mod = importlib.import_module("gpt")
+    cfg = mod.CONFIGS["tiny"]
+    tx = optax.sgd(1e-2, momentum=0.9)
+    params = mod.init_params(cfg, jax.random.PRNGKey(0))
+    batch = mod.make_batch(cfg, 8, jax.random.PRNGKey(1))
+    step_fn = mod.make_train_step(cfg, tx)
+    args = (params, tx.init(params), batch)
+    # The trace at one example really differs from the full batch's.
+    with pytest.raises(PlanningError, match="differs from the full-batch one"):
+        check_example("gpt", 8, batch_size=8)
+    ref = jax.jit(step_fn)(*args)
+    out = al.parallelize(step_fn, method=al.Manual(tp=4, pp=2, num_micro_batches=8))(*args)
+    np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

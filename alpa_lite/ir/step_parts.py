@@ -143,9 +143,39 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
             full = trace_flat(lambda *xs: (call.loss(*xs),),
                               [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
                                for a in call.avals], roles, names)
-        scale = check_microbatching(forward, full, m)
+        try:
+            scale = check_microbatching(forward, full, m)
+        except PlanningError:
+            if not _one_example(avals, batch_inputs):
+                raise
+            scale = _proxy_scale(call, avals, batch_inputs, roles, names, m)
     return StepParts(outer=outer, grad_node=node.id, call=call, forward=forward,
                      batch_inputs=tuple(batch_inputs), num_micro_batches=m, loss_scale=scale)
+
+
+def _one_example(avals, batch_inputs) -> bool:
+    """Whether the micro-batches hold one example each."""
+    return any(b for b in batch_inputs) and all(
+        a.shape[0] == 1 for a, b in zip(avals, batch_inputs) if b)
+
+
+def _proxy_scale(call, avals, batch_inputs, roles, names, m: int) -> float:
+    """The micro-batch proof for micro-batches of one example, made at two examples.
+
+    JAX traces size-1 dimensions differently (it may drop or broadcast them where a larger
+    size needs a reshape), so the trace at one example need not match the full batch's
+    operator for operator, though it computes the same function. The proof that m
+    micro-batch losses sum (scaled) to the full-batch loss is therefore made between the
+    traces at 2 and 2m examples, where the program is the one the batch size does not
+    change; a loss that refuses there is refused with that trace's reason.
+    """
+    def at(k: int):
+        return trace_flat(lambda *xs: (call.loss(*xs),),
+                          [jax.ShapeDtypeStruct((k,) + tuple(a.shape[1:]) if b else
+                                                tuple(a.shape), a.dtype)
+                           for a, b in zip(avals, batch_inputs)], roles, names)
+
+    return check_microbatching(at(2), at(2 * m), m)
 
 
 _LOCAL_FORWARDS: "weakref.WeakKeyDictionary[StepParts, dict]" = weakref.WeakKeyDictionary()
