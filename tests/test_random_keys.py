@@ -99,3 +99,31 @@ def test_flax_dropout_with_an_rngs_key_matches_jit():
         args = (params, tx.init(params), {"x": x, "y": y, "key": key})
         ref = jax.jit(step)(*args)
         _assert_same(al.parallelize(step, method=al.DataParallel())(*args), ref)
+
+
+def _key_loss(p, x, key):
+    h = jnp.tanh(x @ p["w1"])
+    keep = jax.random.bernoulli(key, 0.9, h.shape)
+    return jnp.mean((jnp.where(keep, h / 0.9, 0.0) @ p["w2"]) ** 2)
+
+
+def _key_step(p, s, x, key):
+    # The training-loop pattern: split the step's key, use one half, hand the other back.
+    key, sub = jax.random.split(key)
+    loss, g = al.value_and_grad(_key_loss)(p, x, sub)
+    u, s = TX.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss, key
+
+
+@pytest.mark.parametrize("kind", list(KEYS))
+def test_a_key_split_in_the_step_and_returned_carries_over_steps(kind):
+    p, s, batch = _args(KEYS[kind]())
+    key = batch["key"]
+    step = al.parallelize(_key_step, method=al.Auto(), batch_argnums=(2,))
+    out, ref = (p, s, None, key), (p, s, None, key)
+    for _ in range(2):
+        out = step(out[0], out[1], batch["x"], out[3])
+        ref = jax.jit(_key_step)(ref[0], ref[1], batch["x"], ref[3])
+        np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+    data = jax.random.key_data if kind == "typed" else np.asarray
+    np.testing.assert_array_equal(data(out[3]), data(ref[3]))

@@ -35,6 +35,18 @@ def test_bucketed_sync_hides_what_the_backward_covers():
     assert bucketed_sync(g, 3.0, 10e6, overlaps=False).exposed_s == pytest.approx(2.5)
 
 
+def test_a_bucket_pays_one_latency():
+    # Two 1 MB gradients, each 0.3 s alone of which 0.1 s latency, combined in one bucket:
+    # 0.2 + 0.2 + one 0.1 = 0.5 s, from 2.0 s (the second is formed) to 2.5 s.
+    g = [FormedGradient(1.0, 1e6, 0.3, 0.1), FormedGradient(2.0, 1e6, 0.3, 0.1)]
+    s = bucketed_sync(g, 2.2)
+    assert (s.buckets, s.total_s, s.exposed_s) == (1, pytest.approx(0.5), pytest.approx(0.3))
+    # In line, as XLA:CPU runs them (combined all the same): all 0.5 s exposed.
+    assert bucketed_sync(g, 2.2, overlaps=False).exposed_s == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="latency_s"):
+        FormedGradient(0.0, 1.0, 0.1, 0.2)
+
+
 def test_bucketed_sync_rejects_bad_input():
     with pytest.raises(ValueError, match="bucket_bytes"):
         bucketed_sync([], 1.0, 0.0)
@@ -141,13 +153,13 @@ def test_data_parallel_sync_overlaps_the_backward_on_gpus_not_on_cpus():
         _check_breakdown(plan)
     total = sum(g.time_s for g in gpu.gradient_sync)
     # On GPUs the second weight's reduction runs while the first weight's gradient is
-    # computed: only part of the sync is exposed.
-    assert gpu.step_time.seconds(TimeKind.GRADIENT_SYNC) < total
-    assert gpu.step_time.seconds(TimeKind.GRADIENT_SYNC) + \
-        gpu.step_time.hidden_seconds(TimeKind.GRADIENT_SYNC) == pytest.approx(total)
+    # computed: only part of the sync is exposed (and combined, it pays one latency).
+    exposed = gpu.step_time.seconds(TimeKind.GRADIENT_SYNC)
+    assert 0 < exposed < total
+    assert exposed + gpu.step_time.hidden_seconds(TimeKind.GRADIENT_SYNC) <= total
     # XLA:CPU runs collectives in line: all of it is exposed, none hidden.
     cpu_total = sum(g.time_s for g in cpu.gradient_sync)
-    assert cpu.step_time.seconds(TimeKind.GRADIENT_SYNC) == pytest.approx(cpu_total)
+    assert 0 < cpu.step_time.seconds(TimeKind.GRADIENT_SYNC) <= cpu_total
     assert cpu.step_time.hidden == ()
 
 

@@ -28,7 +28,7 @@ copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamm
 integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
 population_count pow real reduce_precision rem round rsqrt select_n shift_left
 shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh
-xor convert_element_type threefry2x32 random_wrap random_unwrap bitcast_convert_type
+xor convert_element_type threefry2x32 bitcast_convert_type
 """.split())
 
 # How partial results of a reduction are combined (all are an all-reduce in HLO).
@@ -369,6 +369,24 @@ def _top_k(L, prim, params, ins, outs):
     return DimLabels((labels,), (out, out), L.sizes, fixed=frozenset({labels[-1], k}))
 
 
+def _key_trailing(L, prim, params, ins, outs):
+    """Keys and their data: `random_unwrap` appends the key's words as trailing dimensions,
+    `random_wrap` removes them, `random_split` / `random_fold_in` append or keep the
+    count of new keys. The shared leading dimensions split; the rest stays whole."""
+    if ins[0] is None:
+        return None
+    src, dst = ins[0], outs[0]
+    n = min(len(src), len(dst))
+    lead = L.fresh(src[:n]) if src[:n] == dst[:n] else None
+    if lead is None:
+        return None
+    extra_in = tuple(L.new(d) for d in src[n:])
+    extra_out = tuple(L.new(d) for d in dst[n:])
+    operands = (tuple(lead) + extra_in,) + (None,) * (len(ins) - 1)
+    return DimLabels(operands, (tuple(lead) + extra_out,), L.sizes,
+                     fixed=frozenset(extra_in + extra_out))
+
+
 def _random_bits(L, prim, params, ins, outs):
     """Bits drawn from one key: any split of the result draws, shard by shard, exactly the
     bits of the whole, when JAX's threefry is partitionable (`jax_threefry_partitionable`,
@@ -472,6 +490,10 @@ _RULES = {
     "argmin": _argminmax,
     "iota": _iota,
     "random_bits": _random_bits,
+    "random_wrap": _key_trailing,
+    "random_unwrap": _key_trailing,
+    "random_split": _key_trailing,
+    "random_fold_in": _key_trailing,
     "top_k": _top_k,
     "slice": _same_rank_with_fixed(_slice_fixed),
     "dynamic_slice": _same_rank_with_fixed(_slice_fixed),

@@ -192,7 +192,7 @@ def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
                                     for r in records) else ""
         # Where collectives run beside compute, a reduction overlaps the rest of its
         # micro-batch's backward: only what outlasts it stays on the stage's critical path.
-        hidden = backward_timeline(fb, result, [g for _, g in grads],
+        hidden = backward_timeline(fb, result, [g for _, g in grads], CommModel(cluster, mesh),
                                    cluster.overlaps_collectives()).sync.hidden_s
         return StageSync(dataclasses.replace(
             stage, accumulate_note=note, backward_s=stage.backward_s - hidden,
@@ -292,11 +292,12 @@ class BackwardTimeline:
 
 
 def backward_timeline(graph: OpGraph, result: StageResult, grad_tids: Sequence[int],
-                      overlaps: bool) -> BackwardTimeline:
+                      comm: CommModel, overlaps: bool) -> BackwardTimeline:
     """Plays `graph` under `result`'s plan: each operator's compute, then its collectives
     (gradient reductions, `grad_reduction_ops`, aside). A gradient is formed when the
-    operator that reduces it has computed; its reductions overlap the rest of the backward
-    in buckets where the platform `overlaps` collectives with compute."""
+    operator that reduces it has computed; its reductions are combined into buckets (one
+    latency each, priced by `comm`, the stage mesh's model) and overlap the rest of the
+    backward where the platform `overlaps` collectives with compute."""
     by_node = dict(result.node_collectives)
     grad_ops: dict[int, list] = {}            # node -> its gradient reductions
     for tid in grad_tids:
@@ -317,7 +318,8 @@ def backward_timeline(graph: OpGraph, result: StageResult, grad_tids: Sequence[i
     last_grad = max(producers, default=-1)
     backward_end = ends[last_grad] if last_grad >= 0 else 0.0
     update = sum(result.node_compute_s[i] for i in range(last_grad + 1, len(graph.nodes)))
-    formed = [FormedGradient(ends[node], op.nbytes, op.time_s)
+    formed = [FormedGradient(ends[node], op.nbytes, op.time_s,
+                             min(op.time_s, comm.op(op.kind, 1, op.axes).time_s))
               for node, ops in sorted(grad_ops.items()) for op in ops]
     return BackwardTimeline(compute_s=float(sum(result.node_compute_s)), intra_op_s=intra_op,
                             update_s=update,

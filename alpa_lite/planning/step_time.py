@@ -6,8 +6,9 @@ from the other collectives (`gradient_sync.grad_reduction_ops`), and each gradie
 *formed* when the operator that reduces it finishes computing. Where the platform runs
 collectives asynchronously beside compute (GPUs and TPUs: XLA's async collectives and
 latency-hiding scheduler), the reductions overlap the rest of the backward in buckets
-(`cost_models.overlap.bucketed_sync`); only what is left after the backward's end is on
-the critical path. XLA:CPU runs collectives in line: there every reduction is exposed.
+(`cost_models.overlap.bucketed_sync`: XLA combines them, one latency per bucket); only
+what is left after the backward's end is on the critical path. XLA:CPU runs collectives
+in line (combined too): there every bucket is exposed.
 Operators after the last gradient is formed are the optimizer update.
 
 Pipelined plans. The schedule simulator gives the step of micro-batches; the critical
@@ -34,6 +35,7 @@ from alpa_lite.cost_models.pipeline_schedule import (
 )
 from alpa_lite.ir.graph import OpGraph, Role
 from alpa_lite.plan import StagePlan
+from alpa_lite.plan.sharding import CommModel, LogicalMesh
 from alpa_lite.plan.timing import StepTime, TimeKind, TimeLine
 from alpa_lite.planning.gradient_sync import backward_timeline
 from alpa_lite.planning.intra_op import StageResult
@@ -45,7 +47,8 @@ def single_stage_step_time(graph: OpGraph, result: StageResult, cluster: Cluster
     """The breakdown of a single-stage plan's step (module docstring)."""
     grads = [t.id for t in graph.tensors_with_role(Role.GRAD)]
     overlaps = cluster.overlaps_collectives()
-    tl = backward_timeline(graph, result, grads, overlaps)
+    mesh = LogicalMesh(result.stage.mesh_shape, result.stage.axis_names)
+    tl = backward_timeline(graph, result, grads, CommModel(cluster, mesh), overlaps)
     how = ("overlapped with the backward" if overlaps
            else "in line: this platform runs collectives synchronously")
     lines = [TimeLine(TimeKind.COMPUTE, tl.compute_s - tl.update_s,
