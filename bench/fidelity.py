@@ -153,18 +153,15 @@ def fusion_diagnostic(graph, cluster: Cluster) -> dict:
     and per fused kernel (`alpa_lite.planning.fusion.fuse`'s traffic, and the device's
     launch cost per kernel: what the planner charges, unsharded)."""
     from alpa_lite.cost_models.compute import compute_time
-    from alpa_lite.planning.fusion import fuse, is_standalone
-    from alpa_lite.planning.strategies import MATMUL
+    from alpa_lite.planning.fusion import fuse
+    from alpa_lite.planning.strategies import MATMUL, node_compute_time
     fused = fuse(graph, row_reductions_fuse=cluster.platform != "cpu")
     dev = cluster.device
     per_eq = fused_s = 0.0
     for n in graph.nodes:
         dtype = graph.tensors[n.outputs[0]].dtype if n.outputs else "float32"
-        mm = n.primitive in MATMUL
-        per_eq += compute_time(n.flops, n.bytes_accessed, dev, dtype, mm)
-        flops = 0.0 if fused.duplicated[n.id] else n.flops
-        kernels = 1 if is_standalone(n) else fused.kernels[n.id]
-        fused_s += compute_time(flops, fused.bytes_accessed[n.id], dev, dtype, mm, kernels)
+        per_eq += compute_time(n.flops, n.bytes_accessed, dev, dtype, n.primitive in MATMUL)
+        fused_s += node_compute_time(n, fused, dev, dtype)
     return {"per_equation_s": per_eq, "fused_s": fused_s,
             "per_equation_bytes": sum(n.bytes_accessed for n in graph.nodes),
             "fused_bytes": sum(fused.bytes_accessed), "elementwise_kernels": fused.num_kernels,

@@ -22,9 +22,8 @@ through memory: the estimate prices what XLA would run for that program, not the
 the published run used.
 
 Where the plan does not fit by alpa_lite's memory estimate (naive attention holds the
-scores that a fused kernel never writes), the planner warns (Manual plans) or refuses
-(then the row is re-planned with the device memory lifted, so its time can still be
-compared); the table marks those rows.
+scores that a fused kernel never writes), the planner makes the Manual plan with a warning;
+the table marks those rows.
 
 Rows where alpa_lite would run the configuration differently from the published run are
 shown but left out of the statistics: with micro-batches of one example per replica, its
@@ -130,13 +129,6 @@ def model_flops(row: dict) -> float:
     return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
 
 
-def lifted(cluster: al.Cluster) -> al.Cluster:
-    """The same cluster with device memory no plan exceeds: for timing a configuration
-    whose naive-attention program does not fit where the published fused kernel did."""
-    device = dataclasses.replace(cluster.device, memory_bytes=1e15)
-    return dataclasses.replace(cluster, device=device, name=cluster.name + "-memory-lifted")
-
-
 def plan_row(row: dict, verdict: Verdict) -> dict:
     d = row["model"]
     device = DEVICE_OF[row["hardware"]]
@@ -149,19 +141,11 @@ def plan_row(row: dict, verdict: Verdict) -> dict:
     step = al.parallelize(common.make_train_step(gpt.loss_fn, cfg, tx), method=method)
     cluster = cluster_for(device, row["num_gpus"])
     t0 = time.perf_counter()
-    refused = ""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
-            plan = step.plan(*args, cluster=cluster)
-        except al.PlanningError as e:
-            if "memory" not in str(e):
-                raise
-            refused = str(e)
-            plan = step.plan(*args, cluster=lifted(cluster))
+        plan = step.plan(*args, cluster=cluster)
     # A Manual plan that does not fit is planned anyway, with a warning saying so.
-    refused = refused or next((str(w.message) for w in caught
-                               if "does not fit" in str(w.message)), "")
+    refused = next((str(w.message) for w in caught if "does not fit" in str(w.message)), "")
     wall = time.perf_counter() - t0
     published = row["iteration_time_s"]
     est = plan.step_time_s
@@ -190,9 +174,8 @@ def plan_row(row: dict, verdict: Verdict) -> dict:
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:
     """Where the plan does not fit by alpa_lite's memory estimate (naive attention holds the
-scores that a fused kernel never writes), the planner warns (Manual plans) or refuses
-(then the row is re-planned with the device memory lifted, so its time can still be
-compared); the table marks those rows.
+scores that a fused kernel never writes), the planner makes the Manual plan with a warning;
+the table marks those rows.
 
 Spearman's rank correlation (ties get their mean rank); None for fewer than 3."""
     if len(xs) < 3:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alpa_lite.errors import PlanningError
-from alpa_lite.ir.graph import OpGraph, Role, as_dtype
+from alpa_lite.ir.graph import OpGraph, Role, as_dtype, dtype_name, is_key
 from alpa_lite.ir.microbatch import check_microbatching
 from alpa_lite.ir.replay import replay
 from alpa_lite.ir.tracing import TracedStep, random_key_inputs, trace, trace_flat
@@ -94,18 +94,21 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
                 "step arguments (pass them in, or compute them inside the loss function)")
     m = num_micro_batches
     diff = set(call.grad_leaves)
+    full_avals = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in call.avals]
     full_roles = [Role.PARAM if pos in diff else
                   Role.BATCH if tid is not None and g.tensors[tid].role is Role.BATCH
                   else Role.OPT_STATE for pos, tid in enumerate(node.inputs)]
     full_names = [g.tensors[tid].name if tid is not None else f"const{pos}"
                   for pos, tid in enumerate(node.inputs)]
-    full = trace_flat(lambda *xs: (call.loss(*xs),),
-                      [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in call.avals],
-                      full_roles, full_names)
     # Random keys handed in with the batch (their use is inside the loss function) are
-    # not batch data: every micro-batch reads the whole key.
-    fg = full.graph
-    keys = {fg.inputs.index(t) for t in random_key_inputs(fg.nodes, fg.tensors, fg.inputs)}
+    # not batch data: every micro-batch reads the whole key. Only a typed key or a uint32
+    # array can be one; the loss traced at the full batch says which are read as keys.
+    full, keys = None, set()
+    if any(r is Role.BATCH and (is_key(dtype_name(a.dtype)) or a.dtype == np.uint32)
+           for r, a in zip(full_roles, full_avals)):
+        full = trace_flat(lambda *xs: (call.loss(*xs),), full_avals, full_roles, full_names)
+        fg = full.graph
+        keys = {fg.inputs.index(t) for t in random_key_inputs(fg.nodes, fg.tensors, fg.inputs)}
     avals, roles, names, batch_inputs = [], [], [], []
     for pos, (aval, tid) in enumerate(zip(call.avals, node.inputs)):
         is_batch = tid is not None and g.tensors[tid].role is Role.BATCH and pos not in keys
@@ -139,10 +142,8 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
         raise PlanningError(f"the loss must be a float scalar, got {out.dtype}{list(out.shape)}")
     scale = 1.0
     if m > 1:
-        if keys:
-            full = trace_flat(lambda *xs: (call.loss(*xs),),
-                              [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
-                               for a in call.avals], roles, names)
+        if full is None or keys:    # (with keys the roles differ from the probe's)
+            full = trace_flat(lambda *xs: (call.loss(*xs),), full_avals, roles, names)
         try:
             scale = check_microbatching(forward, full, m)
         except PlanningError:

@@ -52,6 +52,7 @@ first node.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 from alpa_lite.ir.graph import Node, OpGraph
 from alpa_lite.plan.sharding import itemsize
@@ -132,7 +133,21 @@ def _is_row_reduction(graph: OpGraph, node: Node) -> bool:
     return operand is not None and len(operand.shape) >= 1 and axes == (len(operand.shape) - 1,)
 
 
+# Fusion results by graph: a graph is planned on several meshes (and its layers on many),
+# and its fusion does not depend on the mesh.
+_FUSED: "weakref.WeakKeyDictionary[OpGraph, dict[bool, FusionResult]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def fuse(graph: OpGraph, row_reductions_fuse: bool = False) -> FusionResult:
+    """Groups `graph`'s nodes into kernels (`_fuse`), once per graph and flag."""
+    by_flag = _FUSED.setdefault(graph, {})
+    if row_reductions_fuse not in by_flag:
+        by_flag[row_reductions_fuse] = _fuse(graph, row_reductions_fuse)
+    return by_flag[row_reductions_fuse]
+
+
+def _fuse(graph: OpGraph, row_reductions_fuse: bool = False) -> FusionResult:
     """Groups `graph`'s nodes into kernels and prices each node's share (module docstring).
 
     Args:

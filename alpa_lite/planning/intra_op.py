@@ -332,7 +332,7 @@ class BuiltStage:
                 f"{e.budget_bytes / 2**30:.2f} GiB per device: the smallest peak memory any "
                 f"plan reaches is {e.min_memory_bytes / 2**30:.2f} GiB. Use more devices, a "
                 "smaller batch, or raise the budget") from None
-        stage, by_node = _assemble(self, sol.choices)
+        stage, by_node, node_compute = _assemble(self, sol.choices)
         units = self.units
         return StageResult(stage=stage, objective_s=sol.objective_s,
                            unsharded_primitives=tuple(sorted(units.unsharded)),
@@ -343,8 +343,7 @@ class BuiltStage:
                            solve_s=sol.solve_time_s, memory_bytes=sol.memory_bytes,
                            min_memory_bytes=self.min_memory_bytes,
                            node_collectives=tuple(sorted(by_node.items())),
-                           node_compute_s=tuple(units_compute(units, self.group_of,
-                                                              self.groups, sol.choices)))
+                           node_compute_s=node_compute)
 
 
 def _tied_problem(graph, units, groups, edges, cls, memory_budget_bytes) -> ShardingProblem:
@@ -390,18 +389,10 @@ def collective_summaries(colls) -> tuple[CollectiveSummary, ...]:
                  for (k, a, n), (cnt, t) in sorted(summary.items()))
 
 
-def units_compute(units: Units, group_of, groups, choices) -> list[float]:
-    """Per graph node, the compute time of the strategy `choices` gives it."""
-    out = []
-    for u in range(units.offset, len(units.strategies)):
-        g = groups[group_of[u]]
-        out.append(units.strategies[u][g.choice[u][choices[group_of[u]]]].compute_s)
-    return out
-
-
 def _assemble(built: "BuiltStage", choices
-              ) -> tuple[StagePlan, dict[int, tuple[CollectiveOp, ...]]]:
-    """The stage plan of one solution, and the collectives it runs per graph node."""
+              ) -> tuple[StagePlan, dict[int, tuple[CollectiveOp, ...]], tuple[float, ...]]:
+    """The stage plan of one solution, the collectives it runs per graph node, and each
+    node's compute time."""
     graph, units, groups, group_of = built.graph, built.units, built.groups, built.group_of
     mesh, names = built.mesh, built.tensor_names
     off = units.offset
@@ -479,4 +470,5 @@ def _assemble(built: "BuiltStage", choices
         peak_memory_bytes=memory.total,
         input_specs=input_specs, output_specs=tuple(output_specs), tensor_specs=tensor_specs,
         operand_specs=tuple(operand_specs), memory=memory)
-    return stage, {n: tuple(c) for n, c in by_node.items()}
+    node_compute = tuple(chosen[off + n].compute_s for n in range(len(graph.nodes)))
+    return stage, {n: tuple(c) for n, c in by_node.items()}, node_compute

@@ -22,6 +22,7 @@ from typing import Callable
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.cost_models.collectives import CollectiveKind
 from alpa_lite.cost_models.compute import compute_time
+from alpa_lite.cost_models.devices import DeviceSpec
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import Node, OpGraph, Role, Tensor
 from alpa_lite.ir.op_rules import DimLabels, dim_labels, enumerate_assignments
@@ -33,7 +34,7 @@ from alpa_lite.plan.sharding import (
     itemsize,
     reshard_collectives,
 )
-from alpa_lite.planning.fusion import fuse, is_standalone
+from alpa_lite.planning.fusion import FusionResult, fuse, is_standalone
 
 # Host-to-device copy bandwidth for the batch: PCIe 4.0 x16 moves ~25 GB/s in practice
 # (32 GB/s raw; PCI-SIG PCIe 4.0 base specification, 16 GT/s x 16 lanes, 128b/130b).
@@ -162,22 +163,14 @@ class Units:
         outs = [g.tensors[t] for t in node.outputs]
         labels = dim_labels(node.primitive, node.params, in_shapes, [o.shape for o in outs])
         dtype = outs[0].dtype if outs else "float32"
-        is_mm = node.primitive in MATMUL
-        nbytes = self.fusion.bytes_accessed[node.id]
-        # A broadcast or iota inside its consumers' kernels is index arithmetic there: its
-        # element count is no work of its own (unless it is written out: then its bytes).
-        flops = 0.0 if self.fusion.duplicated[node.id] else node.flops
-        # A library call (matmul, gather, sort, ...) is one kernel; element-wise work pays
-        # for the fused kernels it starts.
-        kernels = 1 if is_standalone(node) else self.fusion.kernels[node.id]
         if labels is None:
             unsharded = node.primitive if (node.primitive not in ("copy", "copy_p") and
                                            any(len(o.shape) for o in outs)) else None
             in_specs = tuple(None if s is None else TensorSpec.replicated(len(s))
                              for s in in_shapes)
             return [Strategy(in_specs, tuple(TensorSpec.replicated(len(o.shape)) for o in outs),
-                             compute_time(flops, nbytes, self.cluster.device, dtype,
-                                          is_mm, kernels))], unsharded
+                             node_compute_time(node, self.fusion, self.cluster.device,
+                                               dtype))], unsharded
         result = []
         for assign in enumerate_assignments(labels, self.axes):
             in_specs = []
@@ -200,8 +193,8 @@ class Units:
                 out_bytes = o.size * itemsize(o.dtype) / spec.num_shards(self.mesh)
                 for group in reduced_groups if out_bytes else ():
                     colls.append(self.comm.op(CollectiveKind.ALL_REDUCE, out_bytes, group))
-            compute = compute_time(flops / shards, nbytes / shards,
-                                   self.cluster.device, dtype, is_mm, kernels)
+            compute = node_compute_time(node, self.fusion, self.cluster.device, dtype,
+                                        shards)
             result.append(Strategy(tuple(in_specs), out_specs, compute, tuple(colls), shards))
             # On CPU, XLA has no reduce-scatter (it all-reduces and slices, and rewrites that
             # its own way), and the plain all-reduce followed by a free slice costs the
@@ -234,6 +227,20 @@ class Units:
                           for group in rest if group]
                 variants.append(Strategy(in_specs, (spec,), compute, tuple(colls), shards))
         return variants
+
+
+def node_compute_time(node: Node, fusion: FusionResult, device: DeviceSpec, dtype: str,
+                      shards: int = 1) -> float:
+    """One operator's compute time on one device, its work split `shards` ways, priced as
+    XLA runs it: its share of its fused kernel's memory traffic, the kernels it starts,
+    and no work of its own for a broadcast or iota inside its consumers' kernels (index
+    arithmetic there; its bytes where it is written out)."""
+    flops = 0.0 if fusion.duplicated[node.id] else node.flops
+    # A library call (matmul, gather, sort, ...) is one kernel; element-wise work pays for
+    # the fused kernels it starts.
+    kernels = 1 if is_standalone(node) else fusion.kernels[node.id]
+    return compute_time(flops / shards, fusion.bytes_accessed[node.id] / shards, device, dtype,
+                        node.primitive in MATMUL, kernels)
 
 
 def structural_key(graph: OpGraph, node: Node) -> tuple:
