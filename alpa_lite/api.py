@@ -159,6 +159,12 @@ class ParallelizedStep:
                     f"gradient compression runs the loss on each of the "
                     f"{cluster.num_devices} workers' share of the batch, as if they were "
                     f"micro-batches, and this step cannot be split so: {e}") from None
+            if any(workers.batch_draws):
+                raise PlanningError(
+                    "gradient compression runs the step on each worker's share of the batch, "
+                    "and the loss draws random numbers along the batch (e.g. a dropout "
+                    "mask): each worker would draw its own, not jax.jit's; plan without "
+                    "compression, or draw per example (jax.random.fold_in(key, index))")
             return make_compressed_plan(traced, self.method, cluster, self.compression,
                                         workers.loss_scale, names)
         if pipelined:

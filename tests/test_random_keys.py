@@ -1,7 +1,8 @@
 """Random keys are values like any other: typed (`jax.random.key`) and raw uint32
 (`jax.random.PRNGKey`) keys in the batch or beside it trace, plan and run, are never split
-along the batch, and draw exactly what the undecorated step draws; a micro-batched plan,
-which cannot, refuses by name."""
+along the batch, and draw exactly what the undecorated step draws, micro-batched plans
+included (each micro-batch draws its rows of the whole batch's mask); compressed data
+parallelism, which cannot, refuses by name."""
 
 import flax.linen as nn
 import jax
@@ -60,11 +61,27 @@ def test_dropout_key_in_the_batch_draws_as_jit_does(kind, plan):
     assert key.role is Role.OPT_STATE
 
 
+MICRO_BATCHED = {"dp4_pp2_m2": al.Manual(dp=4, pp=2, num_micro_batches=2),
+                 "dp8_m4": al.Manual(dp=8, num_micro_batches=4)}
+
+
+@pytest.mark.parametrize("plan", list(MICRO_BATCHED))
 @pytest.mark.parametrize("kind", list(KEYS))
-def test_micro_batched_plan_refuses_batch_shaped_randomness_by_name(kind):
+def test_micro_batches_draw_their_rows_of_the_whole_batch_mask(kind, plan):
+    """Each micro-batch draws its rows of the dropout mask jax.jit draws for the batch,
+    and the plan says so."""
     args = _args(KEYS[kind]())
-    step = al.parallelize(_step, method=al.Manual(dp=4, pp=2, num_micro_batches=2))
-    with pytest.raises(PlanningError, match="random numbers drawn for the whole batch"):
+    ref = jax.jit(_step)(*args)
+    step = al.parallelize(_step, method=MICRO_BATCHED[plan])
+    _assert_same(step(*args), ref)
+    assert step.plan(*args).pipeline.batch_draws == 1
+
+
+def test_compression_refuses_batch_shaped_randomness_by_name():
+    args = _args(jax.random.key(7))
+    step = al.parallelize(_step, method=al.DataParallel(),
+                          compression=al.compression.PowerSGD(rank=2))
+    with pytest.raises(PlanningError, match="draws random numbers along the batch"):
         step.plan(*args)
 
 
@@ -95,10 +112,11 @@ def test_flax_dropout_with_an_rngs_key_matches_jit():
         u, opt_state = tx.update(g, opt_state, params)
         return optax.apply_updates(params, u), opt_state, loss
 
-    for key in (jax.random.key(5), jax.random.PRNGKey(5)):
+    for key, method in ((jax.random.key(5), al.DataParallel()),
+                        (jax.random.PRNGKey(5), al.Manual(dp=4, pp=2, num_micro_batches=2))):
         args = (params, tx.init(params), {"x": x, "y": y, "key": key})
         ref = jax.jit(step)(*args)
-        _assert_same(al.parallelize(step, method=al.DataParallel())(*args), ref)
+        _assert_same(al.parallelize(step, method=method)(*args), ref)
 
 
 def _key_loss(p, x, key):

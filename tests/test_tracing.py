@@ -35,15 +35,25 @@ def test_conv_flops():
     assert c.flops == 2 * (2 * 16 * 16 * 8) * 3 * (3 * 3)    # 2 x out x in-features x window
 
 
-def test_scan_is_one_node_costed_body_times_length():
+def test_a_scan_kept_whole_is_one_node_costed_body_times_length():
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+
+    def loop(x):     # element-wise work only: stays a loop
+        return jax.lax.fori_loop(0, 5, lambda i, c: jnp.sin(c) * c, x)
+    g = _graph(loop, x)
+    scans = [n for n in g.nodes if n.primitive == "scan"]
+    assert len(scans) == 1 and "sin" not in _prims(g)
+    assert scans[0].flops >= 5 * 2 * 8 * 8
+
+
+def test_a_scan_over_matrix_work_is_unrolled():
     x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
 
     def loop(x):
         return jax.lax.fori_loop(0, 5, lambda i, c: c @ c, x)
     g = _graph(loop, x)
-    scans = [n for n in g.nodes if n.primitive == "scan"]
-    assert len(scans) == 1 and "dot_general" not in _prims(g)
-    assert scans[0].flops >= 5 * 2 * 8 * 8 * 8
+    assert "scan" not in _prims(g)
+    assert sum(n.primitive == "dot_general" for n in g.nodes) == 5
 
 
 def test_nested_calls_are_inlined():

@@ -92,3 +92,31 @@ def test_a_loss_closing_over_step_values_is_refused_for_pipelines_by_name():
     plan = al.parallelize(step, method=al.Manual(dp=4, pp=2, num_micro_batches=2))
     with pytest.raises(PlanningError, match="closes over 2 value"):
         plan.plan(*_args())
+
+
+def _noisy_loss(p, x, y, key):
+    # Weight noise from a key: a draw that is not batch-shaped.
+    w1 = p["w1"] + 0.01 * jax.random.normal(key, p["w1"].shape)
+    return jnp.mean((jnp.tanh(x @ w1) @ p["w2"] - y) ** 2)
+
+
+def _step_with_computed_operands(p, s, batch):
+    key = jax.random.fold_in(batch["key"], 3)        # computed in the step
+    x = batch["x"] * 0.5                              # the batch, normalised in the step
+    loss, g = al.value_and_grad(_noisy_loss)(p, x, batch["y"], key)
+    u, s = TX.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+
+def test_pipelines_take_loss_operands_computed_in_the_step():
+    k = jax.random.split(jax.random.key(2), 4)
+    p = {"w1": jax.random.normal(k[0], (16, 32)), "w2": jax.random.normal(k[1], (32, 8))}
+    batch = {"x": jax.random.normal(k[2], (16, 16)), "y": jax.random.normal(k[3], (16, 8)),
+             "key": jax.random.key(9)}
+    args = (p, TX.init(p), batch)
+    ref = jax.jit(_step_with_computed_operands)(*args)
+    out = al.parallelize(_step_with_computed_operands,
+                         method=al.Manual(dp=4, pp=2, num_micro_batches=2))(*args)
+    np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

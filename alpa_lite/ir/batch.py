@@ -3,10 +3,21 @@ every operator's dimension labels."""
 
 from __future__ import annotations
 
+import enum
 from typing import Mapping
 
 from alpa_lite.ir.graph import OpGraph, Role
 from alpa_lite.ir.op_rules import dim_labels
+
+
+class Combine(enum.Enum):
+    """How the values one output takes on the micro-batches of a step make its value for the
+    whole batch (`ir.microbatch` proves which one is exact; the plan keeps the choice as
+    `plan.plan.Combine`, the same values)."""
+    SAME = "same"          # every micro-batch computes the same value (a new key, a count)
+    MEAN = "mean"          # a mean over examples: the mean of the micro-batch values
+    SUM = "sum"            # a sum over examples: their sum
+    CONCAT = "concat"      # one entry per example: concatenated along the batch dimension
 
 
 def batch_dims(graph: OpGraph, seeds: Mapping[int, int | None] | None = None) -> dict[int, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -192,16 +193,17 @@ class GradCall:
 
 
 _CAPTURE: list[list[GradCall]] = []
+_SERIAL = itertools.count()
 
 
-def _grad_call_abstract(*avals, index):
+def _grad_call_abstract(*avals, index, serial):
     return list(_CAPTURE[-1][index].out_avals)
 
 
 grad_call_p.def_abstract_eval(_grad_call_abstract)
 
 
-def _grad_call_impl(*args, index):
+def _grad_call_impl(*args, index, serial):
     raise RuntimeError("alpa_grad_call only exists while alpa_lite traces a step for "
                        "pipelining; it cannot be evaluated")
 
@@ -225,12 +227,6 @@ def _is_array(x) -> bool:
 
 
 def _captured_value_and_grad(fun, nums, has_aux, kwargs, args):
-    if has_aux:
-        raise PlanningError(
-            "value_and_grad(..., has_aux=True) cannot be split into micro-batches or "
-            "per-worker parts: aux outputs of different parts cannot be combined in general. "
-            "Return the auxiliary values from a separate forward, or plan without "
-            "micro-batches and compression")
     calls = _CAPTURE[-1]
     leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
     arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
@@ -268,7 +264,11 @@ def _captured_value_and_grad(fun, nums, has_aux, kwargs, args):
                     out_avals=tuple(jax.core.ShapedArray(x.shape, x.dtype)
                                     for x in value_leaves + [structs[i] for i in grad_leaves]))
     calls.append(call)
-    outs = grad_call_p.bind(*[leaves[j] for j in arrays], index=len(calls) - 1)
+    # `serial` makes every captured call's parameters unique: JAX caches abstract
+    # evaluation by parameters, and two steps' calls with the same operands may differ in
+    # their results (another loss, another aux).
+    outs = grad_call_p.bind(*[leaves[j] for j in arrays], index=len(calls) - 1,
+                            serial=next(_SERIAL))
     return jax.tree_util.tree_unflatten(call.out_tree, outs)
 
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alpa_lite.errors import PlanningError
-from alpa_lite.ir.batch import batch_dims
+from alpa_lite.ir.batch import Combine, batch_dims
 from alpa_lite.ir.graph import Node, Role, as_dtype
 from alpa_lite.ir.op_rules import ELEMENTWISE, dim_labels
 from alpa_lite.ir.tracing import TracedStep
@@ -63,6 +63,29 @@ _FIX_STAT = ("use num_micro_batches=1, or compute the statistic per example / pe
              "fixed-size group (e.g. ghost batch norm with a fixed group size)")
 
 
+# Loops and branches kept whole by tracing: their rule comes from their bodies.
+CONTROL_FLOW = frozenset({"scan", "while", "cond"})
+
+
+def _body_literals(params) -> list:
+    """The literal constants of a loop's or branch's bodies, in order, and the shapes of
+    the random numbers they draw (a draw that grows with the batch differs per
+    micro-batch)."""
+    found = []
+    for v in params.values():
+        for item in (v if isinstance(v, (tuple, list)) else (v,)):
+            jaxpr = getattr(item, "jaxpr", None)
+            if jaxpr is None or not hasattr(jaxpr, "eqns"):
+                continue
+            for e in jaxpr.eqns:
+                found += [repr(getattr(a, "val", None)) for a in e.invars
+                          if type(a).__name__ == "Literal"]
+                if e.primitive.name in _RANDOM_DRAWS:
+                    found.append(repr([v.aval.shape for v in e.outvars]))
+                found += _body_literals(e.params)
+    return found
+
+
 def _op(node: Node) -> str:
     return f"operator {node.name}" + (f" (in {node.scope})" if node.scope else "")
 
@@ -72,12 +95,23 @@ def _eps(value: np.ndarray) -> float:
 
 
 def check_microbatching(micro: TracedStep, full: TracedStep, num_micro_batches: int) -> float:
+    """The loss's scale (see `micro_batch_rules`)."""
+    return micro_batch_rules(micro, full, num_micro_batches)[0]
+
+
+def micro_batch_rules(micro: TracedStep, full: TracedStep, num_micro_batches: int
+                      ) -> tuple[float, tuple[tuple[Combine, int], ...]]:
     """The scale that makes `scale * sum(micro-batch losses and gradients)` equal the
     full-batch loss and gradients: 1/m for a mean over examples, 1.0 for a sum.
 
+    Returns `(scale, aux)`: with `aux`, per further output of the loss function (the aux
+    leaves of `value_and_grad(..., has_aux=True)`), how its micro-batch values combine into
+    the full batch's and along which dimension (for `Combine.CONCAT`): the same value on
+    every micro-batch, a mean or a sum over examples, or one entry per example.
+
     Args:
       micro: the loss function traced (`tracing.trace_flat`) at the micro-batch size; its
-        single output is the scalar loss.
+        first output is the scalar loss, any others aux values.
       full: the same loss function traced at the full batch size (m times the leading
         dimension of every batch input).
       num_micro_batches: m.
@@ -90,9 +124,13 @@ def check_microbatching(micro: TracedStep, full: TracedStep, num_micro_batches: 
     if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
         raise ValueError(f"num_micro_batches must be a positive int, got {m!r}")
     _check_structure(micro, full, m)
-    if m == 1:
-        return 1.0  # one micro-batch is the whole batch: nothing changes
-    return _Checker(micro, full, m).run()
+    n_aux = len(full.graph.outputs) - 1
+    if m == 1:   # one micro-batch is the whole batch: nothing changes
+        return 1.0, ((Combine.SAME, 0),) * n_aux
+    checker = _Checker(micro, full, m)
+    scale = checker.run()
+    return scale, tuple(checker.aux_rule(t, k) for k, t in
+                        enumerate(full.graph.outputs[1:], start=1))
 
 
 def _check_structure(micro: TracedStep, full: TracedStep, m: int) -> None:
@@ -228,7 +266,7 @@ class _Checker:
 
     def run(self) -> float:
         loss = self.gf.outputs[0]
-        needed = {loss}
+        needed = set(self.gf.outputs)
         nodes = []
         for node in reversed(self.gf.nodes):      # only what the loss depends on
             if any(t in needed for t in node.outputs):
@@ -265,6 +303,30 @@ class _Checker:
             f"{self.m}, a sum 1); make it a plain mean or sum over examples, or use "
             "num_micro_batches=1")
 
+    def aux_rule(self, t: int, position: int) -> tuple[Combine, int]:
+        """How aux output `t` combines over micro-batches, and along which dimension."""
+        kind, name = self.kind[t], f"aux output {position} of the loss function"
+        if kind == IND:
+            return Combine.SAME, 0
+        if kind == TAIL:
+            r = self.ratio[t]
+            if self.close(r, self.m):
+                return Combine.MEAN, 0
+            if self.close(r, 1.0):
+                return Combine.SUM, 0
+            raise PlanningError(
+                f"{name} is computed over the batch but is neither a mean nor a sum over "
+                f"examples ({r:g} times larger per micro-batch than over the same examples in "
+                "the full batch), so no combination of its micro-batch values equals it; "
+                "return a plain mean or sum over examples, or use num_micro_batches=1")
+        if kind == PER and self.close(self.ratio[t], 1.0) and self.scaled_dim(t) == self.dim[t]:
+            return Combine.CONCAT, self.dim[t]
+        raise PlanningError(
+            f"{name} depends on the batch size itself (its values change with how many "
+            "examples a micro-batch holds), so its micro-batch values cannot be combined "
+            "into the full batch's; compute it outside the loss function, or use "
+            "num_micro_batches=1")
+
     def const_node(self, node: Node, kinds: set[str]) -> None:
         """No batch data in: the result is IND, unless the batch size leaks in."""
         shapes_same = all(self.gm.tensors[t].shape == self.gf.tensors[t].shape
@@ -288,7 +350,8 @@ class _Checker:
                 or (node.primitive == "iota" and node.params.get("dimension") != d)
                 or (node.primitive in ELEMENTWISE and kinds <= {IND, UNIF}
                     and all(self.dim.get(i) == d for i in node.inputs
-                            if i is not None and self.kind[i] is UNIF)))
+                            if i is not None and self.kind[i] is UNIF))
+                or (kinds == {IND, UNIF} or kinds == {UNIF}) and self.keeps_uniform(node, t, d))
             self.kind[t] = UNIF if uniform else SIZED
             self.origin[t] = next((self.origin[i] for i in node.inputs
                                    if i is not None and i in self.origin), node)
@@ -296,6 +359,30 @@ class _Checker:
                 self.dim[t] = d
                 if node.primitive == "broadcast_in_dim" and self.is_zero(node, 0):
                     self.zero.add(t)
+
+    def keeps_uniform(self, node: Node, t: int, d: int) -> bool:
+        """Whether result `t` of a node reading uniform values (the same for every example)
+        is uniform along its dimension `d`: the uniform operands' batch dimensions are one
+        label, neither fixed nor reduced, that lands on `d` (position ids broadcast to the
+        batch and looked up in a table stay the same for every example)."""
+        labels = dim_labels(node.primitive, node.params,
+                            [None if i is None else self.gf.tensors[i].shape
+                             for i in node.inputs],
+                            [self.gf.tensors[o].shape for o in node.outputs])
+        if labels is None:
+            return False
+        found = set()
+        for pos, i in enumerate(node.inputs):
+            if i is None or self.kind[i] is not UNIF:
+                continue
+            if labels.operands[pos] is None:
+                return False
+            found.add(labels.operands[pos][self.dim[i]])
+        if len(found) != 1:
+            return False
+        label = found.pop()
+        out = labels.outputs[node.outputs.index(t)]
+        return label not in labels.fixed and label in out and out.index(label) == d
 
     def per_node(self, node: Node, kinds: set[str]) -> None:
         """Some operand carries the batch: examples must stay apart, or be summed over."""
@@ -344,11 +431,26 @@ class _Checker:
         if not outs:
             self.batch_reduction(node)
             return
-        if len(outs) != len(node.outputs):
+        if prim in CONTROL_FLOW:
+            # A loop or branch whose body keeps examples apart (its rule leaves the batch
+            # label free): a result without the batch took nothing from the examples (that
+            # would have reduced, and so fixed, the label), unless the body's constants
+            # differ with the batch size.
+            if _body_literals(self.gm.nodes[node.id].params) != _body_literals(node.params):
+                raise PlanningError(self.sized_message(node))
+            for k, t in enumerate(node.outputs):
+                if k not in outs and self.gm.tensors[t].shape == self.gf.tensors[t].shape:
+                    self.kind[t] = IND
+        if any(k not in outs and self.kind.get(t) is not IND
+               for k, t in enumerate(node.outputs)):
             raise PlanningError(f"alpa_lite cannot follow the batch dimension through {op}; "
                                 "use num_micro_batches=1")
-        r = self.per_ratio(node)
+        r = 1.0 if prim in CONTROL_FLOW and all(self.close(self.ratio[t], 1.0) for t in
+                                                node.inputs if t is not None and
+                                                self.kind[t] is PER) else self.per_ratio(node)
         for k, t in enumerate(node.outputs):
+            if k not in outs:
+                continue
             d = labels.outputs[k].index(label)
             if self.dim.get(t) != d or self.scaled_dim(t) != d:
                 raise PlanningError(

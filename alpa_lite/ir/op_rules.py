@@ -9,6 +9,12 @@ label or to none, and `enumerate_assignments` lists every valid assignment. This
 Alpa formulation (a matmul C[b,i,j] = A[b,i,k]·B[b,k,j] on a 2-D mesh assigns mesh axes to
 {b, i, j, k}) made uniform across primitives, so a new primitive needs only its labels.
 
+Control flow (`scan`, `while`, `cond`) gets a rule derived from its body: a dimension of
+an operand may be split if it flows through every operator of the body as a label that is
+never fixed or reduced, and, for a loop, the carry comes back with the same label (its
+sharding is a fixed point of the body). Each device then runs the whole loop on its own
+block, with no communication inside it.
+
 A primitive without a rule gets `None` from `dim_labels`, and the planner replicates it.
 """
 
@@ -20,6 +26,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 import jax
+from jax.extend import core as jex
 
 # Ops that combine operands of one shape element by element (rank-0 operands broadcast).
 ELEMENTWISE = frozenset("""
@@ -354,6 +361,27 @@ def _windowed(L, prim, params, ins, outs):
                      reduce_kind=None)
 
 
+def _stack(L, prim, params, ins, outs):
+    """Operands of one shape stacked along a new dimension `axis`: their dimensions split
+    together, the new one stays whole."""
+    if any(s is None or tuple(s) != tuple(ins[0]) for s in ins):
+        return None
+    labels = L.fresh(ins[0])
+    axis = params["axis"] % len(outs[0])
+    new = L.new(outs[0][axis])
+    out = labels[:axis] + (new,) + labels[axis:]
+    return DimLabels((labels,) * len(ins), (out,), L.sizes, fixed=frozenset({new}),
+                     reduce_kind=None)
+
+
+def _batch_bits(L, prim, params, ins, outs):
+    """`batch_draws.batch_bits_p`: bits drawn at the rows of the batch it is given; its
+    leading dimension is the rows', every dimension splits (the draw is element-wise in
+    its position)."""
+    out = L.fresh(outs[0])
+    return DimLabels((None, (out[0],)), (out,), L.sizes, reduce_kind=None)
+
+
 def _iota(L, prim, params, ins, outs):
     return DimLabels((), (L.fresh(outs[0]),), L.sizes)
 
@@ -479,7 +507,227 @@ def _scatter(L, prim, params, ins, outs):
                      reduce_kind="sum" if is_add else None)
 
 
+# Call primitives whose body is an ordinary function of its operands, and where each keeps
+# its body (tracing inlines them; a loop body's rule looks through them).
+CALL_BODIES = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+
+
+class _BodyDims:
+    """Union-find over the dimensions (variable, axis) of a body's values: dimensions in
+    one class carry one label through every operator; a class is blocked where some
+    operator may not split it."""
+
+    def __init__(self):
+        self.parent: dict[Any, Any] = {}
+        self.size: dict[Any, int] = {}
+        self.blocked: set[Any] = set()
+
+    def find(self, x):
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def add(self, x, size: int):
+        r = self.find(x)
+        self.size[r] = math.gcd(self.size.get(r, 0), int(size))
+
+    def union(self, a, b):
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+            self.size[ra] = math.gcd(self.size.get(ra, 0), self.size.pop(rb, 0))
+            if rb in self.blocked:
+                self.blocked.add(ra)
+
+    def block(self, x):
+        self.blocked.add(self.find(x))
+
+    def is_blocked(self, x) -> bool:
+        return self.find(x) in self.blocked
+
+    def dims(self, var) -> list[tuple[Any, int]]:
+        shape = tuple(getattr(var.aval, "shape", ()))
+        for d, n in enumerate(shape):
+            self.add((var, d), n)
+        return [(var, d) for d in range(len(shape))]
+
+    def tie(self, a, b):
+        """Dimension d of value a is dimension d of value b (a loop's carry, a branch's
+        operand): one class each, or blocked if the two are not alike."""
+        da, db = self.dims(a), self.dims(b)
+        if len(da) != len(db):
+            for x in da + db:
+                self.block(x)
+            return
+        for x, y in zip(da, db):
+            self.union(x, y)
+
+    def walk(self, jaxpr) -> None:
+        """Joins the dimensions each equation of `jaxpr` labels alike (nested calls and
+        loops included) and blocks those it may not split."""
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            invars = [v for v in eqn.invars if not _is_literal(v)]
+            body = eqn.params.get(CALL_BODIES.get(name, ""), None)
+            if body is not None:
+                inner = getattr(body, "jaxpr", body)
+                for outer, v in zip(eqn.invars, inner.invars):
+                    if not _is_literal(outer):
+                        self.tie(outer, v)
+                self.walk(inner)
+                for outer, v in zip(eqn.outvars, inner.outvars):
+                    if _is_literal(v):
+                        for x in self.dims(outer):
+                            self.block(x)
+                    else:
+                        self.tie(outer, v)
+                continue
+            in_shapes = [None if _is_literal(v) else tuple(v.aval.shape) for v in eqn.invars]
+            out_shapes = [tuple(v.aval.shape) for v in eqn.outvars]
+            rule = dim_labels(name, eqn.params, in_shapes, out_shapes)
+            if rule is None:
+                for v in invars + list(eqn.outvars):
+                    if not _is_literal(v):
+                        for x in self.dims(v):
+                            self.block(x)
+                continue
+            members: dict[int, list] = {}
+            for vars_, labels in ((eqn.invars, rule.operands), (eqn.outvars, rule.outputs)):
+                for v, labs in zip(vars_, labels):
+                    if _is_literal(v):
+                        continue
+                    dims = self.dims(v)
+                    if labs is None:
+                        for x in dims:
+                            self.block(x)
+                        continue
+                    for x, l in zip(dims, labs):
+                        members.setdefault(l, []).append(x)
+            # A reduced label, split, would need a collective inside the loop: keep it whole.
+            stuck = rule.fixed | rule.reduced
+            for l, xs in members.items():
+                self.add(xs[0], rule.sizes[l])
+                for x in xs[1:]:
+                    self.union(xs[0], x)
+                if l in stuck:
+                    self.block(xs[0])
+
+
+def _is_literal(v) -> bool:
+    return isinstance(v, jex.Literal)
+
+
+def _body_rule(L, ins, outs, operand_vars, output_vars, dims: _BodyDims,
+               stacked_operands: int = 0, stacked_outputs: int = 0) -> DimLabels:
+    """The operator's labels from its body's classes: operand k reads body value
+    `operand_vars[k]` (None: stays whole), result j is body value `output_vars[j]`; the
+    last `stacked_operands` / `stacked_outputs` carry a leading iteration axis that
+    stays whole."""
+    label_of: dict[Any, int] = {}
+    fixed: set[int] = set()
+
+    def labels_for(var, shape, stacked: bool):
+        lead = (L.new(shape[0]),) if stacked else ()
+        fixed.update(lead)
+        if var is None or _is_literal(var):
+            rest = tuple(L.new(n) for n in shape[len(lead):])
+            fixed.update(rest)
+            return lead + rest
+        own = []
+        for x in dims.dims(var):
+            r = dims.find(x)
+            if r not in label_of:
+                label_of[r] = L.new(dims.size.get(r, 1) or 1)
+                if dims.is_blocked(x):
+                    fixed.add(label_of[r])
+            own.append(label_of[r])
+        if len(set(own)) != len(own):
+            # Two dimensions of one value in one class: splitting it would split both.
+            fixed.update(own)
+        return lead + tuple(own)
+
+    n_ops = len(ins)
+    operands = tuple(None if s is None else labels_for(v, s, k >= n_ops - stacked_operands)
+                     for k, (v, s) in enumerate(zip(operand_vars, ins)))
+    n_outs = len(outs)
+    outputs = tuple(labels_for(v, s, j >= n_outs - stacked_outputs)
+                    for j, (v, s) in enumerate(zip(output_vars, outs)))
+    # A label no result carries would be reduced inside the loop: keep it whole.
+    out_labels = {l for o in outputs for l in o}
+    fixed |= {l for op in operands if op for l in op if l not in out_labels}
+    return DimLabels(operands, outputs, L.sizes, fixed=frozenset(fixed), reduce_kind=None)
+
+
+def _scan(L, prim, params, ins, outs):
+    body = params["jaxpr"].jaxpr
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    dims = _BodyDims()
+    dims.walk(body)
+    for v_in, v_out in zip(body.invars[n_consts:n_consts + n_carry], body.outvars[:n_carry]):
+        if _is_literal(v_out):
+            for x in dims.dims(v_in):
+                dims.block(x)
+        else:
+            dims.tie(v_in, v_out)
+    n_xs = len(body.invars) - n_consts - n_carry
+    return _body_rule(L, ins, outs, body.invars, body.outvars, dims,
+                      stacked_operands=n_xs, stacked_outputs=len(outs) - n_carry)
+
+
+def _while(L, prim, params, ins, outs):
+    body, cond = params["body_jaxpr"].jaxpr, params["cond_jaxpr"].jaxpr
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    dims = _BodyDims()
+    dims.walk(body)
+    dims.walk(cond)
+    carry_in = body.invars[nb:]
+    for v_in, v_cond, v_out in zip(carry_in, cond.invars[nc:], body.outvars):
+        dims.tie(v_in, v_cond)
+        if _is_literal(v_out):
+            for x in dims.dims(v_in):
+                dims.block(x)
+        else:
+            dims.tie(v_in, v_out)
+    operand_vars = list(cond.invars[:nc]) + list(body.invars[:nb]) + list(carry_in)
+    return _body_rule(L, ins, outs, operand_vars, list(carry_in), dims)
+
+
+def _cond(L, prim, params, ins, outs):
+    branches = [b.jaxpr for b in params["branches"]]
+    dims = _BodyDims()
+    first = branches[0]
+    for b in branches:
+        dims.walk(b)
+    for b in branches[1:]:
+        for v0, v in zip(first.invars, b.invars):
+            dims.tie(v0, v)
+        for v0, v in zip(first.outvars, b.outvars):
+            if _is_literal(v0) or _is_literal(v):
+                for x in ([] if _is_literal(v0) else dims.dims(v0)) + \
+                        ([] if _is_literal(v) else dims.dims(v)):
+                    dims.block(x)
+            else:
+                dims.tie(v0, v)
+    # Operand 0 is the branch index (or predicate): every device needs it whole.
+    return _body_rule(L, ins, outs, [None] + list(first.invars), list(first.outvars), dims)
+
+
 _RULES = {
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
     "dot_general": _dot_general,
     "conv_general_dilated": _conv,
     "broadcast_in_dim": _broadcast_in_dim,
@@ -489,7 +737,9 @@ _RULES = {
     "argmax": _argminmax,
     "argmin": _argminmax,
     "iota": _iota,
+    "stack": _stack,
     "random_bits": _random_bits,
+    "alpa_batch_bits": _batch_bits,
     "random_wrap": _key_trailing,
     "random_unwrap": _key_trailing,
     "random_split": _key_trailing,

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
+import re
 import weakref
 from typing import Any, Sequence
 
@@ -27,9 +29,17 @@ import numpy as np
 
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import OpGraph, Role, as_dtype, dtype_name, is_key
-from alpa_lite.ir.microbatch import check_microbatching
+from alpa_lite.ir.batch import Combine, batch_dims
+from alpa_lite.ir.batch_draws import check_drawable
+from alpa_lite.ir.microbatch import check_microbatching, micro_batch_rules
 from alpa_lite.ir.replay import replay
-from alpa_lite.ir.tracing import TracedStep, random_key_inputs, trace, trace_flat
+from alpa_lite.ir.tracing import (
+    TracedStep,
+    random_key_inputs,
+    sink_batch_free_work,
+    trace,
+    trace_flat,
+)
 
 GRAD_CALL = "alpa_grad_call"
 
@@ -49,11 +59,30 @@ class StepParts:
     batch_inputs: tuple[bool, ...]          # per forward input: sliced into micro-batches
     num_micro_batches: int
     loss_scale: float                       # mean over micro-batches (1/m) or sum (1.0)
+    # Per aux leaf (forward outputs after the loss), how micro-batch values combine and
+    # along which dimension (`Combine.CONCAT`).
+    aux: tuple[tuple[Combine, int], ...] = ()
+    # Per `random_bits` equation of the loss, whether it draws along the batch and so per
+    # micro-batch from the rows it holds (`ir.batch_draws`); with any, `forward`'s last
+    # input is the micro-batch's row indices (a batch leaf the runtime makes).
+    batch_draws: tuple[bool, ...] = ()
 
     @property
     def apply_nodes(self) -> tuple[int, ...]:
         """Outer nodes other than the gradient call: they run once per step."""
         return tuple(n.id for n in self.outer.graph.nodes if n.id != self.grad_node)
+
+    def before_nodes(self) -> frozenset[int]:
+        """Outer nodes the gradient call's operands are computed from: they run before it."""
+        g = self.outer.graph
+        need = [t for t in g.nodes[self.grad_node].inputs if t is not None]
+        found: set[int] = set()
+        while need:
+            p = g.producer(need.pop())
+            if p is not None and p not in found:
+                found.add(p)
+                need.extend(t for t in g.nodes[p].inputs if t is not None)
+        return frozenset(found)
 
     def grad_outputs(self) -> tuple[int, ...]:
         """Outer tensor ids of the gradient leaves, per differentiated forward input."""
@@ -79,24 +108,21 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
     if not calls:
         raise PlanningError(
             "a pipelined plan needs the step's gradient from al.value_and_grad or al.grad "
-            "(drop-in for the jax functions): none was found in the step")
+            "(drop-in for the jax functions): none was found in the step"
+            + "".join(f"; change {line}" for line in gradient_call_sites(fn)))
     if len(calls) > 1:
         raise PlanningError(
             f"the step computes {len(calls)} gradients; a pipelined plan supports one "
             "al.value_and_grad / al.grad call per step")
     node = calls[0]
     call = outer.grad_calls[node.params["index"]]
-    for pos, tid in enumerate(node.inputs):
-        if tid is not None and g.producer(tid) is not None:
-            raise PlanningError(
-                f"operand {pos} of value_and_grad ({g.tensors[tid].name}) is computed inside "
-                "the step; a pipelined plan needs the loss function's array arguments to be "
-                "step arguments (pass them in, or compute them inside the loss function)")
     m = num_micro_batches
+    computed_batch = _computed_batch_operands(g, node)
     diff = set(call.grad_leaves)
     full_avals = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in call.avals]
     full_roles = [Role.PARAM if pos in diff else
-                  Role.BATCH if tid is not None and g.tensors[tid].role is Role.BATCH
+                  Role.BATCH if tid is not None and (g.tensors[tid].role is Role.BATCH
+                                                     or tid in computed_batch)
                   else Role.OPT_STATE for pos, tid in enumerate(node.inputs)]
     full_names = [g.tensors[tid].name if tid is not None else f"const{pos}"
                   for pos, tid in enumerate(node.inputs)]
@@ -106,12 +132,12 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
     full, keys = None, set()
     if any(r is Role.BATCH and (is_key(dtype_name(a.dtype)) or a.dtype == np.uint32)
            for r, a in zip(full_roles, full_avals)):
-        full = trace_flat(lambda *xs: (call.loss(*xs),), full_avals, full_roles, full_names)
+        full = trace_flat(_flat(call), full_avals, full_roles, full_names)
         fg = full.graph
         keys = {fg.inputs.index(t) for t in random_key_inputs(fg.nodes, fg.tensors, fg.inputs)}
     avals, roles, names, batch_inputs = [], [], [], []
     for pos, (aval, tid) in enumerate(zip(call.avals, node.inputs)):
-        is_batch = tid is not None and g.tensors[tid].role is Role.BATCH and pos not in keys
+        is_batch = tid is not None and full_roles[pos] is Role.BATCH and pos not in keys
         name = g.tensors[tid].name if tid is not None else f"const{pos}"
         shape = tuple(aval.shape)
         if is_batch:
@@ -128,7 +154,7 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
         roles.append(Role.PARAM if pos in diff else Role.BATCH if is_batch else Role.OPT_STATE)
         names.append(name)
         batch_inputs.append(is_batch)
-    forward = trace_flat(lambda *xs: (call.loss(*xs),), avals, roles, names)
+    forward = trace_flat(_flat(call), avals, roles, names)
     leaked = [f"{v.dtype}{list(v.shape)}" for v in forward.consts.values()
               if isinstance(v, jax.core.Tracer)]
     if leaked:
@@ -140,18 +166,110 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
     out = forward.graph.tensors[forward.graph.outputs[0]]
     if out.shape != () or not _is_float(out.dtype):
         raise PlanningError(f"the loss must be a float scalar, got {out.dtype}{list(out.shape)}")
-    scale = 1.0
+    scale, aux = 1.0, ((Combine.SAME, 0),) * (len(forward.graph.outputs) - 1)
+    draws: tuple[bool, ...] = ()
     if m > 1:
         if full is None or keys:    # (with keys the roles differ from the probe's)
-            full = trace_flat(lambda *xs: (call.loss(*xs),), full_avals, roles, names)
+            full = trace_flat(_flat(call), full_avals, roles, names)
+        draws = _batch_draws(forward, full, m)
+        if any(draws):
+            forward = trace_flat(_flat(call), avals, roles, names, draws)
+            full = trace_flat(_flat(call), full_avals, roles, names, draws)
+            batch_inputs.append(True)
+        else:
+            draws = ()
         try:
-            scale = check_microbatching(forward, full, m)
+            scale, aux = micro_batch_rules(forward, full, m)
         except PlanningError:
             if not _one_example(avals, batch_inputs):
                 raise
-            scale = _proxy_scale(call, avals, batch_inputs, roles, names, m)
-    return StepParts(outer=outer, grad_node=node.id, call=call, forward=forward,
-                     batch_inputs=tuple(batch_inputs), num_micro_batches=m, loss_scale=scale)
+            scale, aux = _proxy_rules(call, avals, batch_inputs, roles, names, m, draws)
+    return StepParts(outer=outer, grad_node=node.id, call=call,
+                     forward=sink_batch_free_work(forward),
+                     batch_inputs=tuple(batch_inputs), num_micro_batches=m, loss_scale=scale,
+                     aux=aux, batch_draws=draws)
+
+
+def _batch_draws(micro: TracedStep, full: TracedStep, m: int) -> tuple[bool, ...]:
+    """Per random draw of the loss, whether it is drawn along the batch: its leading
+    dimension m times larger in the full-batch trace, the rest alike."""
+    flags = []
+    for k, (sm, sf) in enumerate(zip(micro.draw_shapes, full.draw_shapes)):
+        if sm == sf:
+            flags.append(False)
+        elif sm and sf[0] == m * sm[0] and sf[1:] == sm[1:]:
+            flags.append(True)
+        else:
+            raise PlanningError(
+                f"random draw {k} of the loss function has shape {list(sf)} for the whole "
+                f"batch but {list(sm)} per micro-batch: it grows with the batch along a "
+                "dimension other than the leading one, so a micro-batch cannot draw its "
+                "share; draw with the batch as the leading dimension, or use "
+                "num_micro_batches=1")
+    if any(flags):
+        g = micro.graph
+        for node in g.nodes:
+            if node.primitive == "random_bits":
+                check_drawable(as_dtype(g.tensors[node.inputs[0]].dtype))
+    return tuple(flags)
+
+
+def _computed_batch_operands(g: OpGraph, node) -> set[int]:
+    """Operands of the gradient call computed in the step from the batch (`x / 255`): batch
+    data like the batch leaves, split into micro-batches along their leading dimension,
+    which must be the batch's."""
+    bdims = batch_dims(g)
+    found = set()
+    for pos, tid in enumerate(node.inputs):
+        if tid is None or g.producer(tid) is None or tid not in _batch_derived(g, tid):
+            continue
+        if bdims.get(tid) != 0:
+            raise PlanningError(
+                f"operand {pos} of value_and_grad ({g.tensors[tid].name}, shape "
+                f"{list(g.tensors[tid].shape)}) is computed in the step from the batch, but "
+                "its leading dimension is not the batch's, so it cannot be split into "
+                "micro-batches; compute it inside the loss function instead")
+        found.add(tid)
+    return found
+
+
+def _batch_derived(g: OpGraph, tid: int) -> set[int]:
+    """`{tid}` if `tid` is computed from a batch leaf, else empty."""
+    need, seen = [tid], set()
+    while need:
+        t = need.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if g.tensors[t].role is Role.BATCH:
+            return {tid}
+        p = g.producer(t)
+        if p is not None:
+            need.extend(i for i in g.nodes[p].inputs if i is not None)
+    return set()
+
+
+def _flat(call):
+    """The captured loss function as traced: array leaves in, (loss, *aux leaves) out."""
+    return lambda *xs: tuple(jax.tree_util.tree_leaves(call.loss(*xs)))
+
+
+# Gradient functions a step may call instead of `al.value_and_grad` / `al.grad`.
+_OTHER_GRADS = re.compile(r"\b(jax|nnx|eqx|equinox|flax\.nnx)\.(value_and_grad|grad|"
+                          r"filter_value_and_grad|filter_grad)\(")
+
+
+def gradient_call_sites(fn) -> list[str]:
+    """Where `fn`'s source calls another library's gradient function, as
+    "file:line `code`" (for the error that asks for `al.value_and_grad`)."""
+    fn = inspect.unwrap(getattr(fn, "func", fn))
+    try:
+        lines, first = inspect.getsourcelines(fn)
+        path = inspect.getsourcefile(fn)
+    except (OSError, TypeError):
+        return []
+    return [f"{path}:{first + i} `{line.strip()}` to use al.{m.group(2).replace('filter_', '')}"
+            for i, line in enumerate(lines) if (m := _OTHER_GRADS.search(line))]
 
 
 def _one_example(avals, batch_inputs) -> bool:
@@ -160,7 +278,7 @@ def _one_example(avals, batch_inputs) -> bool:
         a.shape[0] == 1 for a, b in zip(avals, batch_inputs) if b)
 
 
-def _proxy_scale(call, avals, batch_inputs, roles, names, m: int) -> float:
+def _proxy_rules(call, avals, batch_inputs, roles, names, m: int, draws=()):
     """The micro-batch proof for micro-batches of one example, made at two examples.
 
     JAX traces size-1 dimensions differently (it may drop or broadcast them where a larger
@@ -171,12 +289,12 @@ def _proxy_scale(call, avals, batch_inputs, roles, names, m: int) -> float:
     change; a loss that refuses there is refused with that trace's reason.
     """
     def at(k: int):
-        return trace_flat(lambda *xs: (call.loss(*xs),),
+        return trace_flat(_flat(call),
                           [jax.ShapeDtypeStruct((k,) + tuple(a.shape[1:]) if b else
                                                 tuple(a.shape), a.dtype)
-                           for a, b in zip(avals, batch_inputs)], roles, names)
+                           for a, b in zip(avals, batch_inputs)], roles, names, draws)
 
-    return check_microbatching(at(2), at(2 * m), m)
+    return micro_batch_rules(at(2), at(2 * m), m)
 
 
 _LOCAL_FORWARDS: "weakref.WeakKeyDictionary[StepParts, dict]" = weakref.WeakKeyDictionary()
@@ -195,7 +313,9 @@ def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
     if replicas not in cache:
         g = parts.forward.graph
         avals, roles, names = [], [], []
-        for t, is_batch in zip(g.inputs, parts.batch_inputs):
+        # (The micro-batch rows input, last with batch draws, trace_flat adds itself.)
+        operands = g.inputs[:len(g.inputs) - bool(any(parts.batch_draws))]
+        for t, is_batch in zip(operands, parts.batch_inputs):
             tt = g.tensors[t]
             shape = tuple(tt.shape)
             if is_batch:
@@ -209,7 +329,8 @@ def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
             names.append(tt.name)
         call = parts.call
         try:
-            local = trace_flat(lambda *xs: (call.loss(*xs),), avals, roles, names)
+            local = sink_batch_free_work(trace_flat(_flat(call), avals, roles, names,
+                                                    parts.batch_draws))
         except Exception as e:      # the user's loss may refuse the size in any way
             raise PlanningError(f"the loss function cannot be traced at 1/{replicas} of a "
                                 f"micro-batch: {type(e).__name__}: {e}") from None

@@ -3,9 +3,21 @@
 `trace(fn, args, batch_argnums)` runs `jax.make_jaxpr` on abstract arguments (real arrays and
 `jax.ShapeDtypeStruct`s both work, so nothing is allocated), then flattens the jaxpr:
 nested `jit`, `custom_jvp_call`, `custom_vjp_call` and `remat2` calls are inlined, because the
-planner must see (and shard) the operators inside them. Control flow (`scan`, `while`,
-`cond`) stays one node each, costed as body x trip count; XLA's own cost analysis counts a
-scan body once, which is why FLOPs are counted here from the equations instead.
+planner must see (and shard) the operators inside them.
+
+Loops. A `scan` whose body does matrix work (a stack of layers written with `lax.scan` or
+`nn.scan`, and the reversed scan JAX's autodiff makes of it) and that runs at most
+`MAX_UNROLLED_ITERATIONS` times is unrolled: iteration i reads slice i of the stacked
+inputs (`xs[i]`), and the per-iteration results are stacked back. The planner then shards
+each iteration's operators like any layer's (a stacked weight `[layers, ...]` splits on its
+other axes, the layer axis stays whole) and can cut the stack into pipeline stages, which
+Alpa could not. The price is a graph, and a compiled program, that grow with the trip
+count, as a Python loop over layers would. Other loops (`while`, a long scan over time
+steps, an element-wise scan) and `cond` stay one node each, costed as body x trip count
+(XLA's own cost analysis counts a scan body once, which is why FLOPs are counted here from
+the equations); `op_rules` derives how they may be split from their bodies. What was
+unrolled, and what a `while` loop's unknown trip count was taken to be, is in
+`TracedStep.notes` and from there in the plan.
 
 `alpa_marker` equations (from `al.value_and_grad`) are removed; what they said becomes the
 `Role` of the tensors they wrapped.
@@ -31,10 +43,12 @@ from alpa_lite.ir.graph import (
     OpGraph,
     Role,
     Tensor,
+    as_dtype,
     dtype_itemsize,
     dtype_name,
     is_key,
 )
+from alpa_lite.ir.batch_draws import batch_bits_p
 from alpa_lite.ir.markers import PARAM, boundary_p, capture_grad_calls, marker_p
 
 # Calls whose body is inlined into the flat graph, and where each keeps its body.
@@ -66,6 +80,10 @@ class TracedStep:
     boundaries: tuple[int, ...] = ()
     # With `capture=True`: the captured `al.value_and_grad` calls (see markers.GradCall).
     grad_calls: tuple[Any, ...] = ()
+    # What tracing decided about loops (unrolled, kept whole, an assumed trip count).
+    notes: tuple[str, ...] = ()
+    # The shape of each `random_bits` equation, in trace order (see `trace_flat`).
+    draw_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 class _Builder:
@@ -79,6 +97,12 @@ class _Builder:
         self.consts: dict[int, Any] = {}
         self.roles: dict[int, Role] = {}
         self.boundaries: list[int] = []
+        self.notes: list[str] = []
+        # Shapes of the `random_bits` equations met, in order; where `batch_draws` says so,
+        # the k-th is drawn per micro-batch from the rows in tensor `rows` (`batch_draws`).
+        self.draw_shapes: list[tuple[int, ...]] = []
+        self.batch_draws: Sequence[bool] = ()
+        self.rows: int | None = None
 
     def new_tensor(self, aval, name: str = "", role: Role = Role.ACTIVATION) -> int:
         tid = len(self.tensors)
@@ -116,6 +140,25 @@ class _Builder:
             if name in _INLINED_CALLS and _INLINED_CALLS[name] in eqn.params:
                 self._inline(eqn, eqn.params[_INLINED_CALLS[name]], in_atoms, env, eqn_scope)
                 continue
+            where = eqn_scope or "the step"
+            if name == "scan" and unrolls(eqn.params):
+                self._unroll_scan(eqn, in_atoms, env, eqn_scope)
+                self._note(f"scan in {where}: unrolled into {eqn.params['length']} "
+                           "iterations, each sharded and staged like a layer")
+                continue
+            if name == "scan":
+                self._note(f"scan in {where}: its {eqn.params['length']} iterations run as "
+                           "one loop, split only along dimensions its body keeps apart")
+            elif name == "while":
+                self._note(f"while loop in {where}: trip count unknown at trace time, "
+                           "priced as one iteration")
+            prim, params = eqn.primitive, dict(eqn.params)
+            if name == "random_bits":
+                k = len(self.draw_shapes)
+                self.draw_shapes.append(tuple(params["shape"]))
+                if k < len(self.batch_draws) and self.batch_draws[k]:
+                    prim, in_atoms = batch_bits_p, [in_atoms[0], self.rows]
+                    params = {"bit_width": params["bit_width"], "shape": tuple(params["shape"])}
             node_id = len(self.nodes)
             inputs: list[int | None] = []
             for pos, atom in enumerate(in_atoms):
@@ -130,12 +173,12 @@ class _Builder:
             in_avals = [v.aval for v in eqn.invars]
             out_avals = [v.aval for v in eqn.outvars]
             self.nodes.append(Node(
-                id=node_id, primitive=name, inputs=tuple(inputs), outputs=tuple(outputs),
-                params=MappingProxyType(dict(eqn.params)),
+                id=node_id, primitive=prim.name, inputs=tuple(inputs), outputs=tuple(outputs),
+                params=MappingProxyType(params),
                 flops=float(count_flops(name, eqn.params, in_avals, out_avals)),
                 bytes_accessed=float(sum(_nbytes(a) for a in in_avals + out_avals)),
                 scope=eqn_scope))
-            self.primitives.append(eqn.primitive)
+            self.primitives.append(prim)
 
     def _inline(self, eqn, body, in_atoms, env, scope):
         if isinstance(body, jex.ClosedJaxpr):
@@ -151,10 +194,89 @@ class _Builder:
         for outer, inner_out in zip(eqn.outvars, inner.outvars):
             env[outer] = inner_out if isinstance(inner_out, jex.Literal) else inner_env[inner_out]
 
+    def _note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def _unroll_scan(self, eqn, in_atoms, env, scope):
+        """Appends the scan's iterations one after the other (see the module docstring)."""
+        p = eqn.params
+        body, length = p["jaxpr"], p["length"]
+        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        consts = in_atoms[:n_consts]
+        carry = list(in_atoms[n_consts:n_consts + n_carry])
+        xs = in_atoms[n_consts + n_carry:]
+        body_consts = [self.add_const(v.aval, c)
+                       for v, c in zip(body.jaxpr.constvars, body.consts)]
+        ys: list[list] = [[None] * length for _ in body.jaxpr.outvars[n_carry:]]
+        for i in (reversed(range(length)) if p["reverse"] else range(length)):
+            iter_scope = f"{scope}/iter{i}" if scope else f"iter{i}"
+            x_i = [self.emit(lambda a, i=i: jax.lax.index_in_dim(a, i, 0, keepdims=False),
+                             [x], iter_scope)[0] for x in xs]
+            inner_env: dict = dict(zip(body.jaxpr.constvars, body_consts))
+            inner_env.update(zip(body.jaxpr.invars, list(consts) + carry + x_i))
+            self.walk(body.jaxpr, inner_env, iter_scope)
+            outs = [v if isinstance(v, jex.Literal) else inner_env[v]
+                    for v in body.jaxpr.outvars]
+            carry = outs[:n_carry]
+            for k, y in enumerate(outs[n_carry:]):
+                ys[k][i] = y
+        stacked = [self.emit(lambda *a: jnp.stack(a), per_iter, scope)[0] for per_iter in ys]
+        for outer, atom in zip(eqn.outvars, carry + stacked):
+            env[outer] = atom
+
+    def emit(self, fn: Callable, atoms: Sequence[Any], scope: str) -> list:
+        """Appends the equations of `fn` applied to `atoms` (tensor ids or literals);
+        returns its results' atoms. How tracing writes glue such as slicing and stacking."""
+        structs = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype)
+                   if isinstance(a, jex.Literal) else
+                   jax.ShapeDtypeStruct(self.tensors[a].shape, as_dtype(self.tensors[a].dtype))
+                   for a in atoms]
+        closed = jax.make_jaxpr(fn)(*structs)
+        inner_env: dict = {v: self.add_const(v.aval, c)
+                           for v, c in zip(closed.jaxpr.constvars, closed.consts)}
+        inner_env.update(zip(closed.jaxpr.invars, atoms))
+        self.walk(closed.jaxpr, inner_env, scope)
+        return [v if isinstance(v, jex.Literal) else inner_env[v] for v in closed.jaxpr.outvars]
+
     def add_const(self, aval, value) -> int:
         tid = self.new_tensor(aval, role=Role.CONST)
         self.consts[tid] = value
         return tid
+
+
+# A scan runs unrolled (see the module docstring) when it iterates at most this many times;
+# 128 covers the deepest published transformer stacks (GPT-3 175B has 96 layers) while
+# keeping a long scan over time steps a loop.
+MAX_UNROLLED_ITERATIONS = 128
+# Primitives that make a loop body "matrix work": a stack of layers rather than a loop of
+# cheap element-wise updates.
+_MATRIX_WORK = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def unrolls(params: Mapping[str, Any]) -> bool:
+    """Whether tracing unrolls a scan with these parameters."""
+    return (1 <= params["length"] <= MAX_UNROLLED_ITERATIONS
+            and _does_matrix_work(params["jaxpr"]))
+
+
+def _does_matrix_work(body) -> bool:
+    jaxpr = body.jaxpr if isinstance(body, jex.ClosedJaxpr) else body
+    for e in jaxpr.eqns:
+        if e.primitive.name in _MATRIX_WORK:
+            return True
+        if any(_does_matrix_work(sub) for sub in _sub_jaxprs(e.params)):
+            return True
+    return False
+
+
+def _sub_jaxprs(params: Mapping[str, Any]) -> list:
+    found = []
+    for v in params.values():
+        for item in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(item, (jex.ClosedJaxpr, jex.Jaxpr)):
+                found.append(item)
+    return found
 
 
 def _nbytes(aval) -> int:
@@ -324,7 +446,7 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
                       literals=MappingProxyType(b.literals), consts=MappingProxyType(b.consts),
                       in_tree=in_tree, out_tree=out_tree, input_avals=input_avals,
                       fingerprint=_fingerprint(graph), boundaries=tuple(b.boundaries),
-                      grad_calls=tuple(calls))
+                      grad_calls=tuple(calls), notes=tuple(b.notes))
 
 
 # Primitives that read a raw uint32 key (`jax.random.PRNGKey`) as key data.
@@ -346,12 +468,26 @@ def random_key_inputs(nodes, tensors, input_ids) -> list[int]:
 
 
 def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
-               names: Sequence[str]) -> TracedStep:
+               names: Sequence[str], batch_draws: Sequence[bool] = ()) -> TracedStep:
     """Traces `fn(*leaves)` (array leaves in, a flat tuple of arrays out) into a graph
-    whose inputs carry the given roles; used for the pieces of a pipelined step."""
+    whose inputs carry the given roles; used for the pieces of a pipelined step.
+
+    With `batch_draws` (per `random_bits` equation in trace order, whether its leading
+    dimension is the batch's), the graph gets one more input, last: the micro-batch's row
+    indices into the batch (uint32, a batch leaf), and the marked draws become
+    `batch_draws.batch_bits_p`, which draw from those rows what the whole batch's draw
+    holds there."""
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    closed = jax.make_jaxpr(fn)(*structs)
-    b, input_ids, output_ids = _build(closed, roles, names, distinct_outputs=True)
+    rows = any(batch_draws)
+    if rows:
+        batch = next(a.shape[0] for a, r in zip(avals, roles) if r is Role.BATCH and a.shape)
+        structs.append(jax.ShapeDtypeStruct((batch,), np.uint32))
+        roles, names = list(roles) + [Role.BATCH], list(names) + ["micro-batch rows"]
+        closed = jax.make_jaxpr(lambda *xs: fn(*xs[:-1]))(*structs)
+    else:
+        closed = jax.make_jaxpr(fn)(*structs)
+    b, input_ids, output_ids = _build(closed, roles, names, distinct_outputs=True,
+                                      batch_draws=batch_draws if rows else ())
     boundaries = list(b.boundaries)
     _eliminate_dead_code(b, input_ids, output_ids, boundaries)
     tensors = list(b.tensors)
@@ -365,10 +501,74 @@ def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
                       in_tree=jax.tree_util.tree_structure(tuple(structs)),
                       out_tree=jax.tree_util.tree_structure(tuple(output_ids)),
                       input_avals=tuple((tuple(a.shape), dtype_name(a.dtype)) for a in structs),
-                      fingerprint=_fingerprint(graph), boundaries=tuple(boundaries))
+                      fingerprint=_fingerprint(graph), boundaries=tuple(boundaries),
+                      notes=tuple(b.notes), draw_shapes=tuple(b.draw_shapes))
 
 
-def _build(closed, roles: Sequence[Role], names: Sequence[str], distinct_outputs: bool):
+def sink_batch_free_work(traced: TracedStep) -> TracedStep:
+    """The same program with every operator that reads no batch data (a weight cast to
+    bfloat16, a key folded, a mask built) moved to just before its first reader.
+
+    Loss functions often prepare all weights first (`jax.tree.map(lambda p: p.astype(bf16),
+    params)`); in trace order that work sits in the first layer, so a pipeline's first stage
+    would compute every later stage's weight copies and send them across each micro-batch.
+    Moved to its reader, it runs on the stage that uses it, and repeated layers look alike.
+    """
+    g = traced.graph
+    on_batch = {t.id for t in g.tensors if t.role is Role.BATCH}
+    free = []
+    for node in g.nodes:
+        if any(t in on_batch for t in node.inputs if t is not None):
+            on_batch.update(node.outputs)
+            free.append(False)
+        else:
+            free.append(True)
+    maker = {t: n.id for n in g.nodes for t in n.outputs}
+    order: list[int] = []
+    placed = [False] * len(g.nodes)
+
+    def place(i: int) -> None:
+        stack = [(i, False)]
+        while stack:       # producers first (iteratively: chains can be long)
+            j, ready = stack.pop()
+            if placed[j]:
+                continue
+            if ready:
+                placed[j] = True
+                order.append(j)
+                continue
+            stack.append((j, True))
+            stack.extend((maker[t], False) for t in reversed(g.nodes[j].inputs)
+                         if t is not None and t in maker and not placed[maker[t]])
+
+    new_at: dict[int, int] = {}
+    for node in g.nodes:
+        if not free[node.id]:
+            new_at[node.id] = len(order)
+            place(node.id)
+    for node in g.nodes:
+        place(node.id)
+    if order == list(range(len(g.nodes))):
+        return traced
+    pos = {old: new for new, old in enumerate(order)}
+    nodes = tuple(dataclasses.replace(g.nodes[old], id=new) for new, old in enumerate(order))
+    # A boundary before old node i stays before the first batch-reading node from i on.
+    kept = sorted(new_at)
+    boundaries = []
+    for b in traced.boundaries:
+        k = bisect.bisect_left(kept, b)
+        if k < len(kept):
+            boundaries.append(new_at[kept[k]])
+    graph = dataclasses.replace(g, nodes=nodes)
+    return dataclasses.replace(
+        traced, graph=graph, primitives=tuple(traced.primitives[old] for old in order),
+        literals=MappingProxyType({(pos[n], p): v for (n, p), v in traced.literals.items()}),
+        boundaries=tuple(sorted(set(b for b in boundaries if 0 < b < len(order)))),
+        fingerprint=_fingerprint(graph))
+
+
+def _build(closed, roles: Sequence[Role], names: Sequence[str], distinct_outputs: bool,
+           batch_draws: Sequence[bool] = ()):
     """Walks a closed jaxpr into a `_Builder`: its inputs get `roles` and `names`, its
     constants become CONST tensors. Returns the builder, the input ids and the output ids.
 
@@ -385,6 +585,8 @@ def _build(closed, roles: Sequence[Role], names: Sequence[str], distinct_outputs
         input_ids.append(tid)
     for var, value in zip(closed.jaxpr.constvars, closed.consts):
         env[var] = b.add_const(var.aval, value)
+    if batch_draws:
+        b.batch_draws, b.rows = tuple(batch_draws), input_ids[-1]
     b.walk(closed.jaxpr, env)
     output_ids: list[int] = []
     for v in closed.jaxpr.outvars:

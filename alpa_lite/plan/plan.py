@@ -122,6 +122,26 @@ class InputPlacement:
     spec: TensorSpec
 
 
+class Combine(enum.Enum):
+    """How an aux output's values on the micro-batches of a step make the step's value
+    (the values of `ir.batch.Combine`, which proves them)."""
+    SAME = "same"          # every micro-batch computes the same value (a new key, a count)
+    MEAN = "mean"          # a mean over examples: the mean of the micro-batch values
+    SUM = "sum"            # a sum over examples: their sum
+    CONCAT = "concat"      # one entry per example: concatenated along the batch dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxCombination:
+    """How one aux output of the loss function is combined over the micro-batches."""
+    combine: Combine
+    axis: int = 0                       # the batch dimension, for Combine.CONCAT
+
+    def __str__(self) -> str:
+        return (f"{self.combine.value} along dim {self.axis}"
+                if self.combine is Combine.CONCAT else self.combine.value)
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineSpec:
     """How a pipelined plan runs: the layers, the schedule and the estimate.
@@ -145,6 +165,13 @@ class PipelineSpec:
     # traced step's node order, and where each step input (flattened) lives.
     update_stages: tuple[int, ...] = ()
     inputs: tuple[InputPlacement, ...] = ()
+    # `value_and_grad(..., has_aux=True)`: per aux leaf, how its micro-batch values make the
+    # step's (`ir.microbatch` proved the rule exact) and the batch dimension for CONCAT.
+    aux: tuple[AuxCombination, ...] = ()
+    # Random draws along the batch (dropout masks) that each micro-batch draws at its own
+    # rows of the whole batch's draw (`ir.batch_draws`), so they equal jax.jit's; the
+    # runtime feeds every micro-batch its row indices.
+    batch_draws: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +275,9 @@ class Plan:
     gradient_sync: tuple[GradientSync, ...] = ()
     # Where the estimated step time goes (`planning.step_time`); its total is the estimate.
     step_time: StepTime | None = None
+    # What tracing decided about the program that the plan rests on: loops unrolled or
+    # kept whole, a `while` loop's assumed trip count (`TracedStep.notes`).
+    notes: tuple[str, ...] = ()
 
     @property
     def compute_s(self) -> float:
@@ -427,7 +457,9 @@ def _pipeline_to_obj(p: PipelineSpec | None):
             "bubble_fraction": float(p.bubble_fraction), "send_s": [float(x) for x in p.send_s],
             "apply_s": float(p.apply_s), "reduce_s": float(p.reduce_s),
             "update_stages": list(p.update_stages),
-            "inputs": [[i.stage, i.spec.to_json()] for i in p.inputs]}
+            "inputs": [[i.stage, i.spec.to_json()] for i in p.inputs]} | (
+        {"aux": [[a.combine.value, a.axis] for a in p.aux]} if p.aux else {}) | (
+        {"batch_draws": p.batch_draws} if p.batch_draws else {})
 
 
 def _pipeline_from_obj(o) -> PipelineSpec | None:
@@ -440,7 +472,9 @@ def _pipeline_from_obj(o) -> PipelineSpec | None:
         bubble_fraction=float(o["bubble_fraction"]), send_s=tuple(float(x) for x in o["send_s"]),
         apply_s=float(o["apply_s"]), reduce_s=float(o["reduce_s"]),
         update_stages=tuple(int(s) for s in o["update_stages"]),
-        inputs=tuple(InputPlacement(int(s), TensorSpec.from_json(x)) for s, x in o["inputs"]))
+        inputs=tuple(InputPlacement(int(s), TensorSpec.from_json(x)) for s, x in o["inputs"]),
+        aux=tuple(AuxCombination(Combine(c), int(a)) for c, a in o.get("aux", ())),
+        batch_draws=int(o.get("batch_draws", 0)))
 
 
 def _explanation_to_obj(e: Explanation) -> dict[str, Any]:
@@ -486,6 +520,8 @@ def _plan_to_obj(p: Plan) -> dict[str, Any]:
         obj["explanation"] = _explanation_to_obj(p.explanation)
     if p.step_time is not None:
         obj["step_time"] = step_time_to_obj(p.step_time)
+    if p.notes:
+        obj["notes"] = list(p.notes)
     return obj
 
 
@@ -504,7 +540,7 @@ def _plan_from_obj(o: dict[str, Any]) -> Plan:
     expected = {"format", "method", "cluster_name", "cluster_fingerprint",
                 "program_fingerprint", "input_signature", "stages", "unsharded_primitives",
                 "pipeline", "compression", "gradient_sync"}
-    if set(o) - {"explanation", "step_time"} != expected:
+    if set(o) - {"explanation", "step_time", "notes"} != expected:
         raise ValueError(f"unexpected keys {sorted(set(o) - expected)}, missing "
                          f"{sorted(expected - set(o))}")
     return Plan(
@@ -518,4 +554,5 @@ def _plan_from_obj(o: dict[str, Any]) -> Plan:
         compression=_compression_from_obj(o["compression"]),
         gradient_sync=tuple(_sync_from_obj(g) for g in o["gradient_sync"]),
         explanation=_explanation_from_obj(o["explanation"]) if "explanation" in o else None,
-        step_time=step_time_from_obj(o["step_time"]) if "step_time" in o else None)
+        step_time=step_time_from_obj(o["step_time"]) if "step_time" in o else None,
+        notes=tuple(str(n) for n in o.get("notes", ())))

@@ -75,8 +75,16 @@ def plan_summary(plan, max_rows: int = 40) -> str:
                            fmt_time(st.backward_s), "yes" if st.remat else "no",
                            fmt_bytes(st.peak_memory_bytes))
         console.print(stages)
+    if plan.pipeline is not None and plan.pipeline.batch_draws:
+        console.print(f"random draws along the batch: {plan.pipeline.batch_draws}, each "
+                      "micro-batch drawing its rows of the whole batch's draw (as jax.jit)")
+    if plan.pipeline is not None and plan.pipeline.aux:
+        console.print("aux outputs over micro-batches: "
+                      + ", ".join(str(a) for a in plan.pipeline.aux))
     if plan.unsharded_primitives:
         console.print("replicated (no sharding rule): " + ", ".join(plan.unsharded_primitives))
+    for note in plan.notes:
+        console.print(f"traced: {escape(note)}")
     if plan.gradient_sync:
         console.print(gradient_sync_table(plan))
         for i, st in enumerate(plan.stages):

@@ -70,7 +70,7 @@ STANDALONE = frozenset({
     "psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "psum_scatter",
     "reduce_scatter", "all_reduce",
     "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
-    "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform",
+    "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform", "alpa_batch_bits",
     "copy", "copy_p", "device_put", "optimization_barrier",
     "fft", "cholesky", "triangular_solve", "lu", "qr", "eigh", "eig", "svd",
 })

@@ -88,8 +88,9 @@ def splits_only_batch(parts: StepParts, prog: StageProgram, local: StageProgram,
     the one dimension that shrinks per replica (`ir.batch.batch_dims` follows it through
     reshapes and transposes; where it cannot, the slice could mix examples). A value
     without the batch in it must not depend on the batch either (a layer's auxiliary loss
-    term handed to a later stage would be the whole micro-batch's on every replica); the
-    loss's cotangent is the exception, scaled by `local_loss_scale`. What leaves (the
+    term handed to a later stage would be the whole micro-batch's on every replica), and
+    every cotangent does; the loss's cotangent is the exception, scaled by
+    `local_loss_scale`. What leaves (the
     gradients) must be split as the plan says: over `axes`, major-most, on the batch
     dimension, and on no other; what enters may also be whole over `axes`, since slicing
     a replicated value moves nothing."""
@@ -108,8 +109,11 @@ def splits_only_batch(parts: StepParts, prog: StageProgram, local: StageProgram,
     # inside the program whatever they feed.
     on_batch = _batch_dependent(parts.forward.graph)
     dep = {t_fb for t_fb, t in zip(prog.fb_acts, prog.acts) if t in on_batch}
+    # A cotangent is a sum over the micro-batch's examples whatever its primal is (the
+    # gradient reaching a weight cast made before a stage boundary has no batch dimension
+    # but sums every example's): each replica would get the whole sum.
     dep |= {t_fb for t_fb, t in zip(prog.fb_cts, diff_outs)
-            if t in on_batch and t != parts.forward.graph.outputs[0]}
+            if t != parts.forward.graph.outputs[0]}
     for node in g.nodes:
         if any(t in dep for t in node.inputs if t is not None):
             dep.update(node.outputs)

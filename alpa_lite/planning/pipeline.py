@@ -54,6 +54,7 @@ from alpa_lite.plan import (
     StagePlan,
 )
 from alpa_lite.plan.memory import MemoryEstimate
+from alpa_lite.plan.plan import AuxCombination, Combine
 from alpa_lite.plan.methods import Auto, Manual
 from alpa_lite.plan.sharding import CommModel, LogicalMesh, TensorSpec, itemsize
 from alpa_lite.planning.gradient_sync import PlannedStage, grad_reduction_ops, stage_sync
@@ -511,7 +512,9 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
                         step_time_s=breakdown.total_s,
                         bubble_fraction=sim.bubble_fraction, send_s=tuple(sends),
                         apply_s=apply_s, reduce_s=max(reduce_s),
-                        update_stages=update_stages, inputs=inputs)
+                        update_stages=update_stages, inputs=inputs,
+                        aux=tuple(AuxCombination(Combine(c.value), a) for c, a in parts.aux),
+                        batch_draws=sum(parts.batch_draws))
     unsharded = tuple(sorted({p for c in costs for p in c.result.unsharded_primitives}))
     stats = PlanningStats(
         build_s=planner.build_s, solve_s=planner.solve_s,
@@ -529,7 +532,8 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
                 input_signature=input_signature, stages=tuple(stages),
                 unsharded_primitives=unsharded, pipeline=spec, stats=stats,
                 explanation=Explanation(tuple(alternatives)) if alternatives else None,
-                gradient_sync=tuple(sync_records), step_time=breakdown)
+                gradient_sync=tuple(sync_records), step_time=breakdown,
+                notes=tuple(dict.fromkeys(parts.outer.notes + fwd.notes)))
 
 
 def forward_names(parts: StepParts, outer_names: Mapping[int, str]) -> dict[int, str]:

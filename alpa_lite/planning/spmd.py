@@ -310,7 +310,7 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
                 stages=(best.stage,), unsharded_primitives=best.unsharded_primitives,
                 stats=stats, explanation=explanation,
                 gradient_sync=single_stage_sync(graph, best, best_mesh, tensor_names or {}),
-                step_time=times[id(best)])
+                step_time=times[id(best)], notes=traced.notes)
 
 
 def replace_stats(plan: Plan, **kw) -> Plan:

@@ -39,6 +39,10 @@ def place_update(parts: StepParts, progs: Sequence[StageProgram],
     outer, fwd = parts.outer.graph, parts.forward.graph
     S = len(progs)
     phome = param_homes(progs)
+    # A differentiated parameter the loss never reads (its gradient is zero) lives on
+    # the first stage.
+    for k in parts.call.grad_leaves:
+        phome.setdefault(fwd.inputs[k], 0)
     maker = {t: s for s, prog in enumerate(progs) for t in prog.outputs}
     grad_node = outer.nodes[parts.grad_node]
     fwd_of = {t_o: t_f for t_f, t_o in zip(fwd.inputs, grad_node.inputs) if t_o is not None}
@@ -80,7 +84,8 @@ def place_update(parts: StepParts, progs: Sequence[StageProgram],
         t_f = fwd_of.get(t)
         if t_f in phome:                       # a parameter
             s = phome[t_f]
-            placements.append(InputPlacement(s, _param_spec(progs[s], stages[s], t_f)))
+            placements.append(InputPlacement(s, _param_spec(progs[s], stages[s], t_f,
+                                                            len(fwd.tensors[t_f].shape))))
             continue
         if t_f is not None and t_f in first_reader and \
                 parts.batch_inputs[fwd.inputs.index(t_f)]:     # a batch leaf
@@ -98,14 +103,16 @@ def place_update(parts: StepParts, progs: Sequence[StageProgram],
         p = param_of.get(t)
         if p is not None and phome[p] == s and \
                 tuple(fwd.tensors[p].shape) == tuple(outer.tensors[t].shape):
-            spec = _param_spec(progs[s], stages[s], p)
+            spec = _param_spec(progs[s], stages[s], p, len(fwd.tensors[p].shape))
         else:
             spec = TensorSpec.replicated(len(outer.tensors[t].shape))
         placements.append(InputPlacement(s, spec))
     return tuple(node_home[n] for n in parts.apply_nodes), tuple(placements)
 
 
-def _param_spec(prog: StageProgram, stage: StagePlan, t_fwd: int) -> TensorSpec:
+def _param_spec(prog: StageProgram, stage: StagePlan, t_fwd: int, rank: int) -> TensorSpec:
+    if t_fwd not in prog.params:     # a parameter the loss never reads
+        return TensorSpec.replicated(rank)
     spec = dict(zip(prog.fb.graph.inputs, stage.input_specs))
     return spec[prog.fb_params[prog.params.index(t_fwd)]]
 

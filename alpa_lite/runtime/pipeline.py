@@ -22,6 +22,7 @@ import math
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -37,6 +38,7 @@ from alpa_lite.ir.step_parts import (
     stage_program,
 )
 from alpa_lite.plan import Plan, StagePlan
+from alpa_lite.plan.plan import AuxCombination, Combine
 from alpa_lite.plan.sharding import TensorSpec
 from alpa_lite.runtime.distributed import on_every_process, place
 from alpa_lite.runtime.hlo import CompiledCollective, compiled_collectives
@@ -130,8 +132,7 @@ class _Stage:
 
             def stacked(*args):
                 g_params, g_acts = body(*args)
-                g_acts = [jax.lax.psum(g, self.axes) if w else g
-                          for g, w in zip(g_acts, whole)]
+                g_acts = [_psum(g, self.axes) if w else g for g, w in zip(g_acts, whole)]
                 return [g[None] for g in g_params], g_acts
 
             stack = PartitionSpec(self.axes)
@@ -215,6 +216,15 @@ class PipelineExecutable:
         self.param_home = param_homes([st.prog for st in self.stages])
         loss = fwd.outputs[0]
         self.loss_stage = self.maker[loss]
+        if self.plan.pipeline.batch_draws != sum(parts.batch_draws):
+            raise PlanMismatchError(
+                f"the plan draws {self.plan.pipeline.batch_draws} random number array(s) "
+                f"along the batch per micro-batch but the loss function draws "
+                f"{sum(parts.batch_draws)}; plan again")
+        if len(self.plan.pipeline.aux) != len(fwd.outputs) - 1:
+            raise PlanMismatchError(
+                f"the plan combines {len(self.plan.pipeline.aux)} aux output(s) but the loss "
+                f"function returns {len(fwd.outputs) - 1}; plan again")
         # The apply part runs where the plan says (planning.update_placement).
         outer = parts.outer.graph
         grad_node = outer.nodes[parts.grad_node]
@@ -238,12 +248,16 @@ class PipelineExecutable:
                     continue
                 lv = max(lv, level[p] + (node_home[p] != node_home[nid]))
             level[nid] = lv
-        segments: dict[tuple[int, int], list[int]] = {}
+        # Operators the gradient call's operands need (a key folded with the step, the
+        # batch normalised) run before the pipeline, the rest after it.
+        before = parts.before_nodes()
+        segments: dict[tuple[bool, int, int], list[int]] = {}
         for nid in parts.apply_nodes:
-            segments.setdefault((level[nid], node_home[nid]), []).append(nid)
+            segments.setdefault((nid not in before, level[nid], node_home[nid]),
+                                []).append(nid)
         self.segments = []
         needed_later = set(outer.outputs)
-        for (lv, s), nodes in sorted(segments.items()):
+        for (after, lv, s), nodes in sorted(segments.items()):
             made = {t for nid in nodes for t in outer.nodes[nid].outputs}
             ins = []
             for nid in nodes:
@@ -252,6 +266,8 @@ class PipelineExecutable:
                             and outer.tensors[t].role is not Role.CONST:
                         ins.append(t)
             self.segments.append((s, nodes, ins, made))
+        self.num_before = sum(1 for key in segments if not key[0])
+        needed_later.update(t for t in grad_node.inputs if t is not None)
         for s, nodes, ins, made in self.segments:
             needed_later.update(ins)
         # Shardings of step inputs at home.
@@ -338,11 +354,17 @@ class PipelineExecutable:
         value_of = dict(zip(outer.inputs, flat))
         for t, v in parts.outer.consts.items():
             value_of[t] = v
+        env: dict[int, Any] = dict(value_of)
+        self._run_segments(self.segment_fns[:self.num_before], env)
         node = outer.nodes[parts.grad_node]
-        fwd_value = {t_f: (value_of[t_o] if t_o is not None else None)
+        fwd_value = {t_f: (env[t_o] if t_o is not None else None)
                      for t_f, t_o in zip(fwd.inputs, node.inputs)}
         m = parts.num_micro_batches
         S = len(self.stages)
+        if any(parts.batch_draws):
+            # Each micro-batch draws at its rows of the batch (`ir.batch_draws`).
+            rows = fwd.inputs[-1]
+            fwd_value[rows] = np.arange(m * fwd.tensors[rows].shape[0], dtype=np.uint32)
 
         # Parameters on every stage that reads them.
         params = []
@@ -356,6 +378,8 @@ class PipelineExecutable:
                 return x[i * b:(i + 1) * b]
             return x
 
+        # Aux outputs of the loss function, per micro-batch, combined as the plan says.
+        aux_values: dict[int, list] = {t: [] for t in fwd.outputs[1:]}
         acts_out: dict[tuple[int, int], Any] = {}     # (forward tensor, micro-batch) -> value
         left = {(t, i): len(r) for t, r in self.readers.items() for i in range(m)}
         saved: dict[tuple[int, int], tuple] = {}      # (stage, micro-batch) -> (acts, residuals)
@@ -380,6 +404,8 @@ class PipelineExecutable:
                     acts_out[(t, i)] = v
                     if t == fwd.outputs[0]:
                         losses.append(v)
+                    elif t in aux_values:
+                        aux_values[t].append(v)
                 saved[(s, i)] = (acts, res)
             else:
                 acts, res = saved.pop((s, i))
@@ -389,6 +415,10 @@ class PipelineExecutable:
                         continue
                     if t == fwd.outputs[0]:
                         ct_vals.append(st.loss_cotangent(parts.loss_scale, fwd.tensors[t].dtype))
+                    elif (t, i) not in cts:
+                        # An aux output no later operator reads: it takes no gradient.
+                        ct_vals.append(np.zeros(fwd.tensors[t].shape,
+                                                as_dtype(fwd.tensors[t].dtype)))
                     else:
                         pieces = cts.pop((t, i))
                         total = pieces[0]
@@ -422,11 +452,34 @@ class PipelineExecutable:
         loss = loss * np.asarray(parts.loss_scale, loss.dtype)
 
         # The apply part.
-        env: dict[int, Any] = dict(value_of)
+        outer_of_fwd = {t_f: t_o for t_o, t_f in self.fwd_of_outer.items()}
         for k, t in enumerate(parts.grad_outputs()):
-            env[t] = grad_of[fwd.inputs[parts.call.grad_leaves[k]]]
+            t_f = fwd.inputs[parts.call.grad_leaves[k]]
+            if t_f not in grad_of:
+                # The loss never reads this parameter: its gradient is zero.
+                tt = fwd.tensors[t_f]
+                grad_of[t_f] = jax.device_put(np.zeros(tt.shape, as_dtype(tt.dtype)),
+                                              self.input_sharding[outer_of_fwd[t_f]])
+            env[t] = grad_of[t_f]
         env[parts.value_output()] = loss
-        for s, nodes, ins, outs, fn in self.segment_fns:
+        value_outs = outer.nodes[parts.grad_node].outputs
+        for k, (t, rule) in enumerate(zip(fwd.outputs[1:], self.plan.pipeline.aux), start=1):
+            env[value_outs[k]] = combine(rule, aux_values[t])
+        self._run_segments(self.segment_fns[self.num_before:], env)
+        results = [env[t] for t in outer.outputs]
+        if jax.process_count() > 1:
+            # The loss (and any other result that is not new state) lives on the last
+            # stage's devices; every process of a multi-process run gets a copy. New
+            # parameters and optimizer state stay at their stage, where the next step reads
+            # them.
+            results = [v if tie is not None else on_every_process(v)
+                       for v, tie in zip(results, outer.output_ties)]
+        return jax.tree_util.tree_unflatten(parts.outer.out_tree, results)
+
+    def _run_segments(self, segment_fns, env: dict) -> None:
+        """Runs step operators outside the gradient call, each on its stage."""
+        outer = self.parts.outer.graph
+        for s, nodes, ins, outs, fn in segment_fns:
             st = self.stages[s]
             vals = []
             for t in ins:
@@ -438,15 +491,6 @@ class PipelineExecutable:
                 vals.append(v)
             for t, v in zip(outs, fn(*vals)):
                 env[t] = v
-        results = [env[t] for t in outer.outputs]
-        if jax.process_count() > 1:
-            # The loss (and any other result that is not new state) lives on the last
-            # stage's devices; every process of a multi-process run gets a copy. New
-            # parameters and optimizer state stay at their stage, where the next step reads
-            # them.
-            results = [v if tie is not None else on_every_process(v)
-                       for v, tie in zip(results, outer.output_ties)]
-        return jax.tree_util.tree_unflatten(parts.outer.out_tree, results)
 
     def _output_spec(self, t: int) -> TensorSpec:
         st = self.stages[self.maker[t]]
@@ -488,6 +532,27 @@ def _auto_spec(spec: TensorSpec, axes: tuple[str, ...]) -> PartitionSpec:
     """The part of `spec` over the other axes, as a sharding constraint inside the body."""
     return partition_spec(TensorSpec(tuple(tuple(a for a in d if a not in axes)
                                            for d in spec.dims)))
+
+
+def _psum(x, axes):
+    """A sum over mesh axes, in float32 for narrower floats: more exact, and XLA:CPU aborts
+    on a bfloat16 all-reduce inside a partly manual shard_map (AllReducePromotion)."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+        return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
+    return jax.lax.psum(x, axes)
+
+
+def combine(rule: AuxCombination, values: list):
+    """An aux output's value for the step from its micro-batch values (in order)."""
+    if rule.combine is Combine.SAME or len(values) == 1:
+        return values[-1]
+    if rule.combine is Combine.CONCAT:
+        values = [jax.device_put(v, values[0].sharding) for v in values]
+        return jnp.concatenate(values, axis=rule.axis)
+    total = values[0]
+    for v in values[1:]:
+        total = total + jax.device_put(v, total.sharding)
+    return total / len(values) if rule.combine is Combine.MEAN else total
 
 
 def _elsewhere(v, mesh: Mesh) -> bool:

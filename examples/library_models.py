@@ -1,0 +1,216 @@
+"""Models written as their own libraries' docs write them, with a train step each, for
+tests/test_library_models.py and bench/real_models.py. Every builder returns a `Case`: the step (as the docs write
+it, the gradient call being `al.value_and_grad`), its arguments, and the path of the
+largest 2-D weight. Builders import their library lazily, so a missing library skips only
+its own tests (`pytest.importorskip` in the test file).
+
+Sizes are tiny: the file runs many plans, each compiled once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import alpa_lite as al
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    step: Callable            # (params, opt_state, batch) -> (params, opt_state, loss)
+    args: tuple               # (params, opt_state, batch)
+    largest_weight: str       # jax.tree_util.keystr of the largest 2-D parameter
+
+
+def _largest_2d(params) -> str:
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    path, _ = max(((p, x) for p, x in leaves if getattr(x, "ndim", 0) == 2),
+                  key=lambda px: px[1].size)
+    return jax.tree_util.keystr(path)
+
+
+# SGD for the exact comparisons: Adam divides by the gradient's magnitude, turning
+# round-off in near-zero gradients (summation order differs between plans) into visible
+# differences. (f) uses the AdamW chain on purpose.
+SGD = optax.sgd(0.1)
+
+
+# ---- (c) flax.nnx: split outside, merge inside the loss ---------------------------------
+
+def nnx_mlp(batch_size: int = 16) -> Case:
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, din: int, dhidden: int, dout: int, *, rngs: nnx.Rngs):
+            self.linear1 = nnx.Linear(din, dhidden, rngs=rngs)
+            self.norm = nnx.LayerNorm(dhidden, rngs=rngs)
+            self.linear2 = nnx.Linear(dhidden, dhidden, rngs=rngs)
+            self.linear3 = nnx.Linear(dhidden, dout, rngs=rngs)
+
+        def __call__(self, x):
+            x = nnx.gelu(self.norm(self.linear1(x)))
+            x = nnx.relu(self.linear2(x))
+            return self.linear3(x)
+
+    model = MLP(16, 256, 8, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    def loss_fn(state, x, y):
+        model = nnx.merge(graphdef, state)
+        return jnp.mean((model(x) - y) ** 2)
+
+    def train_step(state, opt_state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(state, batch["x"], batch["y"])
+        updates, opt_state = SGD.update(grads, opt_state, state)
+        return optax.apply_updates(state, updates), opt_state, loss
+
+    k = jax.random.split(jax.random.key(1), 2)
+    batch = {"x": jax.random.normal(k[0], (batch_size, 16)),
+             "y": jax.random.normal(k[1], (batch_size, 8))}
+    return Case(train_step, (state, SGD.init(state), batch), _largest_2d(state))
+
+
+# ---- (d) Equinox: partition into arrays and the static rest -----------------------------
+
+def eqx_mlp(batch_size: int = 16) -> Case:
+    import equinox as eqx
+
+    # eqx.nn.MLP holds non-array fields: its activation functions and its sizes (ints).
+    model = eqx.nn.MLP(in_size=16, out_size=8, width_size=256, depth=2,
+                       activation=jax.nn.tanh, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def loss(params, static, x, y):
+        model = eqx.combine(params, static)
+        pred_y = jax.vmap(model)(x)
+        return jnp.mean((y - pred_y) ** 2)
+
+    def train_step(params, opt_state, batch):
+        # The docs' `eqx.filter_value_and_grad(loss)(...)`, adapted to alpa_lite.
+        value, grads = al.value_and_grad(loss)(params, static, batch["x"], batch["y"])
+        updates, opt_state = SGD.update(grads, opt_state, params)
+        return eqx.apply_updates(params, updates), opt_state, value
+
+    k = jax.random.split(jax.random.key(1), 2)
+    batch = {"x": jax.random.normal(k[0], (batch_size, 16)),
+             "y": jax.random.normal(k[1], (batch_size, 8))}
+    return Case(train_step, (params, SGD.init(params), batch), _largest_2d(params))
+
+
+# ---- (e) Hugging Face transformers Flax GPT-2 and BERT, from a config -------------------
+
+# A vocabulary of 2048 (not 128): at 128 or 512 Auto keeps the tied token embedding, then
+# the largest 2-D weight, replicated (it tensor-shards the blocks' kernels instead); at 2048
+# it splits the embedding too, which the test checks.
+VOCAB, SEQ = 2048, 16
+
+
+def _token_batch(batch_size: int):
+    k = jax.random.split(jax.random.key(1), 2)
+    return {"input_ids": jax.random.randint(k[0], (batch_size, SEQ), 0, VOCAB),
+            "labels": jax.random.randint(k[1], (batch_size, SEQ), 0, VOCAB)}
+
+
+def hf_gpt2(batch_size: int = 8) -> Case:
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32)
+    model = FlaxGPT2LMHeadModel(config, seed=0, _do_init=True)   # random weights, no download
+
+    def loss_fn(params, input_ids, labels):
+        logits = model(input_ids, params=params, train=False).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def train_step(params, opt_state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(params, batch["input_ids"], batch["labels"])
+        updates, opt_state = SGD.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = model.params
+    return Case(train_step, (params, SGD.init(params), _token_batch(batch_size)),
+                _largest_2d(params))
+
+
+def hf_bert(batch_size: int = 8) -> Case:
+    from transformers import BertConfig, FlaxBertForMaskedLM
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64,
+                        max_position_embeddings=32)
+    model = FlaxBertForMaskedLM(config, seed=0, _do_init=True)
+
+    def loss_fn(params, input_ids, labels):
+        logits = model(input_ids, params=params, train=False).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def train_step(params, opt_state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(params, batch["input_ids"], batch["labels"])
+        updates, opt_state = SGD.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = model.params
+    return Case(train_step, (params, SGD.init(params), _token_batch(batch_size)),
+                _largest_2d(params))
+
+
+# ---- (f) an optax chain with a schedule and a decay mask; bf16 mixed precision ----------
+
+def _decay_mask_fn(params):
+    # As the Hugging Face Flax examples write it (run_mlm_flax.py): no weight decay on
+    # biases and LayerNorm scales.
+    from flax import traverse_util
+    flat = traverse_util.flatten_dict(params)
+    mask = {path: (path[-1] != "bias" and path[-2:] != ("LayerNorm_0", "scale"))
+            for path in flat}
+    return traverse_util.unflatten_dict(mask)
+
+
+def optax_chain(compute_dtype=None, batch_size: int = 16) -> Case:
+    """`compute_dtype` None: all fp32; else fp32 master weights, compute in that dtype."""
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.gelu(nn.LayerNorm()(nn.Dense(256)(x)))
+            x = nn.relu(nn.Dense(256)(x))
+            return nn.Dense(8)(x)
+
+    model = MLP()
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=1e-3, peak_value=1e-2, warmup_steps=2, decay_steps=10, end_value=1e-4)
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, weight_decay=0.01, mask=_decay_mask_fn))
+
+    def loss_fn(params, x, y):
+        if compute_dtype is not None:
+            # fp32 master weights, bf16 (or fp16) compute, the loss in fp32.
+            params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+            x = x.astype(compute_dtype)
+        pred = model.apply({"params": params}, x).astype(jnp.float32)
+        return jnp.mean((pred - y) ** 2)
+
+    def train_step(params, opt_state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(params, batch["x"], batch["y"])
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    k = jax.random.split(jax.random.key(1), 3)
+    batch = {"x": jax.random.normal(k[0], (batch_size, 16)),
+             "y": jax.random.normal(k[1], (batch_size, 8))}
+    params = model.init(k[2], batch["x"])["params"]
+    return Case(train_step, (params, tx.init(params), batch), _largest_2d(params))
+
+
+BUILDERS: dict[str, tuple[str, Callable[[], Case]]] = {
+    # name: (the library pytest.importorskip needs, builder)
+    "nnx_mlp": ("flax.nnx", nnx_mlp),
+    "eqx_mlp": ("equinox", eqx_mlp),
+    "hf_gpt2": ("transformers", hf_gpt2),
+    "hf_bert": ("transformers", hf_bert),
+    "optax_chain": ("flax.linen", optax_chain),
+    "optax_chain_bf16": ("flax.linen", lambda: optax_chain(jnp.bfloat16)),
+}
