@@ -1,10 +1,12 @@
 """Models written as their own libraries' docs write them, with a train step each, for
-tests/test_library_models.py and bench/real_models.py. Every builder returns a `Case`: the step (as the docs write
-it, the gradient call being `al.value_and_grad`), its arguments, and the path of the
-largest 2-D weight. Builders import their library lazily, so a missing library skips only
+tests/test_library_models.py and bench/real_models.py. Every builder returns a `Case`:
+the step (as the docs write it, the gradient call being `al.value_and_grad`), its
+arguments, and the path of the largest 2-D weight. Builders import their library lazily, so a missing library skips only
 its own tests (`pytest.importorskip` in the test file).
 
-Sizes are tiny: the file runs many plans, each compiled once."""
+Sizes are tiny: the file runs many plans, each compiled once. `hf_full_size` is the
+exception: GPT-2 small and BERT-base at their published sizes, as shapes only, for
+planning (bench/real_models.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import alpa_lite as al
 @dataclasses.dataclass(frozen=True)
 class Case:
     step: Callable            # (params, opt_state, batch) -> (params, opt_state, loss)
-    args: tuple               # (params, opt_state, batch)
+    args: tuple               # (params, opt_state, batch); flax_bn_cnn: params is
+                              # (params, batch_stats), returned first as new
     largest_weight: str       # jax.tree_util.keystr of the largest 2-D parameter
 
 
@@ -114,11 +117,9 @@ def _token_batch(batch_size: int):
             "labels": jax.random.randint(k[1], (batch_size, SEQ), 0, VOCAB)}
 
 
-def hf_gpt2(batch_size: int = 8) -> Case:
-    from transformers import FlaxGPT2LMHeadModel, GPT2Config
-
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32)
-    model = FlaxGPT2LMHeadModel(config, seed=0, _do_init=True)   # random weights, no download
+def _hf_train_step(model, tx):
+    """The train step of a Hugging Face Flax LM head model (GPT-2 or BERT): token
+    cross-entropy on its logits, the parameters passed in."""
 
     def loss_fn(params, input_ids, labels):
         logits = model(input_ids, params=params, train=False).logits
@@ -126,12 +127,20 @@ def hf_gpt2(batch_size: int = 8) -> Case:
 
     def train_step(params, opt_state, batch):
         loss, grads = al.value_and_grad(loss_fn)(params, batch["input_ids"], batch["labels"])
-        updates, opt_state = SGD.update(grads, opt_state, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    return train_step
+
+
+def hf_gpt2(batch_size: int = 8) -> Case:
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32)
+    model = FlaxGPT2LMHeadModel(config, seed=0, _do_init=True)   # random weights, no download
     params = model.params
-    return Case(train_step, (params, SGD.init(params), _token_batch(batch_size)),
-                _largest_2d(params))
+    return Case(_hf_train_step(model, SGD),
+                (params, SGD.init(params), _token_batch(batch_size)), _largest_2d(params))
 
 
 def hf_bert(batch_size: int = 8) -> Case:
@@ -141,19 +150,37 @@ def hf_bert(batch_size: int = 8) -> Case:
                         num_attention_heads=4, intermediate_size=64,
                         max_position_embeddings=32)
     model = FlaxBertForMaskedLM(config, seed=0, _do_init=True)
-
-    def loss_fn(params, input_ids, labels):
-        logits = model(input_ids, params=params, train=False).logits
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-    def train_step(params, opt_state, batch):
-        loss, grads = al.value_and_grad(loss_fn)(params, batch["input_ids"], batch["labels"])
-        updates, opt_state = SGD.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
     params = model.params
-    return Case(train_step, (params, SGD.init(params), _token_batch(batch_size)),
-                _largest_2d(params))
+    return Case(_hf_train_step(model, SGD),
+                (params, SGD.init(params), _token_batch(batch_size)), _largest_2d(params))
+
+
+def hf_full_size(kind: str, batch_size: int, seq: int, tx=None) -> Case:
+    """GPT-2 small (124M; kind "gpt2") or BERT-base (110M, masked LM; kind "bert") at their
+    published sizes, as shapes only, to plan for a cluster without allocating anything:
+    the model is built with `_do_init=False` (Hugging Face's way to skip the random
+    weights), the parameters are `jax.eval_shape` of `model.init_weights(key, input_shape)`
+    and every argument is a `jax.ShapeDtypeStruct`. `tx` defaults to AdamW."""
+    from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxGPT2LMHeadModel,
+                              GPT2Config)
+
+    if kind == "gpt2":
+        config = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
+                            n_positions=1024)
+        model = FlaxGPT2LMHeadModel(config, _do_init=False)
+    elif kind == "bert":
+        config = BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=12,
+                            num_attention_heads=12, intermediate_size=3072,
+                            max_position_embeddings=512)
+        model = FlaxBertForMaskedLM(config, _do_init=False)
+    else:
+        raise ValueError(f"hf_full_size: kind must be 'gpt2' or 'bert', got {kind!r}")
+    tx = optax.adamw(1e-4) if tx is None else tx
+    params = jax.eval_shape(lambda: model.init_weights(jax.random.key(0), (1, seq)))
+    opt_state = jax.eval_shape(tx.init, params)
+    tokens = jax.ShapeDtypeStruct((batch_size, seq), jnp.int32)
+    batch = {"input_ids": tokens, "labels": tokens}
+    return Case(_hf_train_step(model, tx), (params, opt_state, batch), _largest_2d(params))
 
 
 # ---- (f) an optax chain with a schedule and a decay mask; bf16 mixed precision ----------
@@ -205,6 +232,120 @@ def optax_chain(compute_dtype=None, batch_size: int = 16) -> Case:
     return Case(train_step, (params, tx.init(params), batch), _largest_2d(params))
 
 
+# ---- (g) Flax linen: a decoder-only transformer, its blocks under nn.scan(nn.remat(...)) -
+
+# As the Flax guides write a deep stack ("Scan over layers", flax.linen.scan): one Block,
+# rematerialised, scanned LAYERS times with its parameters stacked on a leading axis and a
+# fresh params / dropout key per layer; the causal mask is broadcast to every layer. The
+# loss runs with dropout on, its key taken from the batch.
+TF_VOCAB, TF_SEQ, TF_DIM, TF_HEADS, TF_LAYERS, TF_DROPOUT = 256, 16, 32, 4, 2, 0.1
+
+
+def flax_scan_transformer(batch_size: int = 8, layers: int = TF_LAYERS) -> Case:
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        num_heads: int
+        dropout_rate: float
+        deterministic: bool
+
+        @nn.compact
+        def __call__(self, x, mask):
+            # nn.MultiHeadDotProductAttention called on one input is self-attention (the
+            # replacement Flax names for the deprecated nn.SelfAttention).
+            y = nn.LayerNorm()(x)
+            y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads)(y, mask=mask)
+            x = x + nn.Dropout(self.dropout_rate, deterministic=self.deterministic)(y)
+            y = nn.LayerNorm()(x)
+            y = nn.gelu(nn.Dense(4 * x.shape[-1])(y))
+            y = nn.Dense(x.shape[-1])(y)
+            x = x + nn.Dropout(self.dropout_rate, deterministic=self.deterministic)(y)
+            return x, None            # (carry, per-layer output) as nn.scan expects
+
+    class Transformer(nn.Module):
+        vocab: int = TF_VOCAB
+        dim: int = TF_DIM
+        num_heads: int = TF_HEADS
+        num_layers: int = layers
+        dropout_rate: float = TF_DROPOUT
+
+        @nn.compact
+        def __call__(self, ids, train: bool):
+            x = nn.Embed(self.vocab, self.dim)(ids)
+            x = x + self.param("pos_embedding", nn.initializers.normal(0.02),
+                               (ids.shape[-1], self.dim))
+            x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+            mask = nn.make_causal_mask(ids)
+            Blocks = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                             split_rngs={"params": True, "dropout": True},
+                             length=self.num_layers, in_axes=nn.broadcast)
+            x, _ = Blocks(self.num_heads, self.dropout_rate, not train, name="blocks")(x, mask)
+            x = nn.LayerNorm()(x)
+            return nn.Dense(self.vocab)(x)
+
+    model = Transformer()
+
+    def loss_fn(params, ids, key):
+        logits = model.apply({"params": params}, ids, train=True, rngs={"dropout": key})
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits[:, :-1], ids[:, 1:]).mean()
+
+    def train_step(params, opt_state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(params, batch["ids"], batch["key"])
+        updates, opt_state = SGD.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    ids = jax.random.randint(jax.random.key(1), (batch_size, TF_SEQ), 0, TF_VOCAB)
+    # Jitted: run op by op, initialising the scanned, rematerialised blocks takes seconds.
+    params = jax.jit(model.init, static_argnames="train")(jax.random.key(0), ids,
+                                                          train=False)["params"]
+    batch = {"ids": ids, "key": jax.random.key(2)}
+    return Case(train_step, (params, SGD.init(params), batch), _largest_2d(params))
+
+
+# ---- (h) Flax linen: a CNN with BatchNorm, its statistics through has_aux ---------------
+
+def flax_bn_cnn(batch_size: int = 16) -> Case:
+    """As Flax's BatchNorm guide writes it: `mutable=["batch_stats"]` in training, the new
+    statistics returned beside the loss (`has_aux=True`) and carried with the parameters.
+    Here the first argument is `(params, batch_stats)` and the step returns its new value
+    first: `((params, batch_stats), opt_state, loss)`."""
+    import flax.linen as nn
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool):
+            x = nn.Conv(8, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+            x = nn.relu(x)
+            x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+            x = x.reshape((x.shape[0], -1))
+            x = nn.relu(nn.Dense(32)(x))
+            return nn.Dense(4)(x)
+
+    model = CNN()
+
+    def loss_fn(params, batch_stats, x, y):
+        logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, x,
+                                      train=True, mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, updates["batch_stats"]
+
+    def train_step(state, opt_state, batch):
+        params, batch_stats = state
+        (loss, batch_stats), grads = al.value_and_grad(loss_fn, has_aux=True)(
+            params, batch_stats, batch["x"], batch["y"])
+        updates, opt_state = SGD.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), batch_stats), opt_state, loss
+
+    k = jax.random.split(jax.random.key(1), 3)
+    batch = {"x": jax.random.normal(k[0], (batch_size, 8, 8, 3)),
+             "y": jax.random.randint(k[1], (batch_size,), 0, 4)}
+    variables = jax.jit(model.init, static_argnames="train")(k[2], batch["x"], train=False)
+    state = (variables["params"], variables["batch_stats"])
+    return Case(train_step, (state, SGD.init(state[0]), batch), _largest_2d(state))
+
+
 BUILDERS: dict[str, tuple[str, Callable[[], Case]]] = {
     # name: (the library pytest.importorskip needs, builder)
     "nnx_mlp": ("flax.nnx", nnx_mlp),
@@ -213,4 +354,6 @@ BUILDERS: dict[str, tuple[str, Callable[[], Case]]] = {
     "hf_bert": ("transformers", hf_bert),
     "optax_chain": ("flax.linen", optax_chain),
     "optax_chain_bf16": ("flax.linen", lambda: optax_chain(jnp.bfloat16)),
+    "flax_scan_transformer": ("flax.linen", flax_scan_transformer),
+    "flax_bn_cnn": ("flax.linen", flax_bn_cnn),
 }

@@ -1,6 +1,8 @@
 """Models written the way their libraries' own docs write them (flax.nnx split/merge,
 Equinox partition/combine, Hugging Face Flax GPT-2 and BERT from a config, an optax chain
-with a schedule and a decay mask, bf16 mixed precision) run through alpa_lite under
+with a schedule and a decay mask, bf16 mixed precision, a Flax linen transformer whose
+blocks run under nn.scan(nn.remat(...)) with dropout on, a Flax BatchNorm CNN whose
+statistics come back through has_aux) run through alpa_lite under
 DataParallel, Auto, Manual(dp=2, tp=4) and a dp=4 x pp=2 pipeline, and equal the undecorated
 step under `jax.jit` after one step (issue "8 ·", point 5). The models live in
 examples/library_models.py."""
@@ -22,7 +24,17 @@ PLANS = {
     "dp4_pp2_m2": al.Manual(dp=4, pp=2, num_micro_batches=2),
 }
 
-MODELS = ["nnx_mlp", "eqx_mlp", "hf_gpt2", "hf_bert", "optax_chain"]
+MODELS = ["nnx_mlp", "eqx_mlp", "hf_gpt2", "hf_bert", "optax_chain", "flax_scan_transformer",
+          "flax_bn_cnn"]
+
+# Auto keeps the BatchNorm CNN's weights whole (a 1x8 mesh, the batch split 8 ways): at its
+# size (a 128x32 Dense kernel, a batch of 16 8x8 images) splitting a weight saves less than
+# the collectives it adds would cost.
+AUTO_KEEPS_DATA_PARALLEL = {"flax_bn_cnn"}
+
+# Micro-batched plans refuse BatchNorm by name (a batch statistic is not a sum over
+# micro-batches); tests/test_flax_batchnorm.py checks the refusal.
+NOT_MICRO_BATCHED = {"flax_bn_cnn"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,8 +63,9 @@ def _assert_sharded_under_auto(step, case):
         case.largest_weight, where[case.largest_weight])
 
 
-@pytest.mark.parametrize("plan", list(PLANS))
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model,plan", [
+    (model, plan) for model in MODELS for plan in PLANS
+    if not (model in NOT_MICRO_BATCHED and plan == "dp4_pp2_m2")])
 def test_library_model_matches_jit(model, plan):
     case = _case(model)
     step = al.parallelize(case.step, method=PLANS[plan])
@@ -62,7 +75,7 @@ def test_library_model_matches_jit(model, plan):
     assert jax.tree.structure(out[0]) == jax.tree.structure(ref[0])
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    if plan == "auto":
+    if plan == "auto" and model not in AUTO_KEEPS_DATA_PARALLEL:
         _assert_sharded_under_auto(step, case)
 
 

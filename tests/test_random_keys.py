@@ -145,3 +145,19 @@ def test_a_key_split_in_the_step_and_returned_carries_over_steps(kind):
         np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
     data = jax.random.key_data if kind == "typed" else np.asarray
     np.testing.assert_array_equal(data(out[3]), data(ref[3]))
+
+
+def test_a_raw_key_of_the_wrong_shape_is_named():
+    p, s, batch = _args(jax.random.PRNGKey(7))
+    batch["key"] = jnp.zeros((3,), jnp.uint32)
+    with pytest.raises(TypeError, match=r"batch/key \[3\]"):
+        al.parallelize(_step, method=al.DataParallel())(p, s, batch)
+
+
+@pytest.mark.parametrize("method", [al.DataParallel(), al.Manual(dp=8, num_micro_batches=2)],
+                         ids=["dp", "dp8_m2"])
+def test_batch_leaves_that_disagree_on_the_batch_size_are_named(method):
+    p, s, batch = _args(jax.random.key(7))
+    batch["mask"] = jnp.ones((3, 16))
+    with pytest.raises(PlanningError, match=r"batch/mask with 3"):
+        al.parallelize(_step, method=method).plan(p, s, batch)

@@ -3,9 +3,11 @@ every operator's dimension labels."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Mapping
 
+from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import OpGraph, Role
 from alpa_lite.ir.op_rules import dim_labels
 
@@ -18,6 +20,48 @@ class Combine(enum.Enum):
     MEAN = "mean"          # a mean over examples: the mean of the micro-batch values
     SUM = "sum"            # a sum over examples: their sum
     CONCAT = "concat"      # one entry per example: concatenated along the batch dimension
+    LAST = "last"          # a running value (BatchNorm's averages): each micro-batch reads
+                           # the previous one's, the step returns the last micro-batch's
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxRule:
+    """How one aux output of the loss combines over micro-batches: `axis` is the batch
+    dimension for CONCAT; `updates` (LAST) the loss operand (array leaf position) it is
+    the new value of."""
+    combine: Combine
+    axis: int = 0
+    updates: int | None = None
+
+
+def batch_size(leaves: Mapping[str, tuple[int, ...]]) -> int | None:
+    """The batch size the batch leaves (name -> shape) agree on: their common leading
+    dimension. None without leaves.
+
+    Raises:
+      PlanningError: a leaf is a scalar, or the leaves' leading dimensions differ (a mask
+        or a table passed with the batch), naming them.
+    """
+    if not leaves:
+        return None
+    for name, shape in leaves.items():
+        if not shape:
+            raise PlanningError(
+                f"batch leaf {name} is a scalar; every leaf of the batch argument needs the "
+                "batch as its leading dimension (pass other values in another argument, "
+                "outside batch_argnums)")
+    sizes: dict[int, list[str]] = {}
+    for name, shape in leaves.items():
+        sizes.setdefault(shape[0], []).append(name)
+    if len(sizes) > 1:
+        groups = [f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} with {k}"
+                  for k, names in sorted(sizes.items(), key=lambda kv: -len(kv[1]))]
+        raise PlanningError(
+            f"the batch leaves disagree on the batch size (leading dimension): "
+            f"{'; '.join(groups)}. Every leaf of the batch argument needs the batch as its "
+            "leading dimension: pass a mask, a table or a key in another argument, outside "
+            "batch_argnums")
+    return next(iter(sizes))
 
 
 def batch_dims(graph: OpGraph, seeds: Mapping[int, int | None] | None = None) -> dict[int, int]:

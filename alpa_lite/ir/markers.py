@@ -20,8 +20,6 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from alpa_lite.errors import PlanningError
-
 # What a marker says about the values it wraps.
 PARAM = "param"
 GRAD = "grad"
@@ -66,13 +64,21 @@ def _normalize_argnums(argnums: int | Sequence[int]) -> tuple[int, ...]:
 
 
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-                   **kwargs) -> Callable:
+                   *, micro_batch_statistics: bool = False, **kwargs) -> Callable:
     """Drop-in for `jax.value_and_grad` that marks parameters and gradients.
 
     Args:
       fun: the loss function.
       argnums: which positional arguments are differentiated (the parameters).
-      has_aux: as in `jax.value_and_grad`.
+      has_aux: as in `jax.value_and_grad`. Under micro-batched plans each aux leaf is
+        combined over the micro-batches by the rule the plan states (`PipelineSpec.aux`).
+      micro_batch_statistics: under micro-batched plans, let statistics over the batch
+        that per-example values use (BatchNorm's mean and variance) be computed per
+        micro-batch, as gradient accumulation computes them; an aux sub-tree shaped like a
+        non-differentiated argument (Flax's new `batch_stats`) is then that argument's new
+        value, which each micro-batch reads from the one before (running averages updated
+        in micro-batch order). This changes the step's math from the whole batch's, so it
+        is off unless asked for; plans without micro-batches ignore it.
       **kwargs: passed on to `jax.value_and_grad` (`holomorphic`, `allow_int`, ...).
 
     Returns:
@@ -90,7 +96,8 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
                 raise NotImplementedError(
                     f"value_and_grad(..., {', '.join(kwargs)}=...) cannot be pipelined; "
                     "use a single stage and one micro-batch")
-            return _captured_value_and_grad(fun, nums, has_aux, kw, args)
+            return _captured_value_and_grad(fun, nums, has_aux, kw, args,
+                                            micro_batch_statistics)
         args = list(args)
         for i in nums:
             if i >= len(args):
@@ -106,7 +113,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
          **kwargs) -> Callable:
     """Drop-in for `jax.grad` that marks parameters and gradients (see `value_and_grad`)."""
-    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
+    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)   # (see there)
 
     @functools.wraps(fun)
     def wrapped(*args, **kw):
@@ -190,6 +197,10 @@ class GradCall:
     out_tree: Any                  # of (value, grads)
     avals: tuple[Any, ...]         # per array leaf
     out_avals: tuple[Any, ...]     # per result leaf: value leaves, then gradient leaves
+    micro_batch_statistics: bool = False
+    # Per aux leaf: the array leaf (position in `avals`) it is the new value of, where an
+    # aux sub-tree has the structure of a non-differentiated argument; else None.
+    aux_updates: tuple[int | None, ...] = ()
 
 
 _CAPTURE: list[list[GradCall]] = []
@@ -226,7 +237,8 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
 
 
-def _captured_value_and_grad(fun, nums, has_aux, kwargs, args):
+def _captured_value_and_grad(fun, nums, has_aux, kwargs, args,
+                             micro_batch_statistics: bool = False):
     calls = _CAPTURE[-1]
     leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
     arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
@@ -257,7 +269,15 @@ def _captured_value_and_grad(fun, nums, has_aux, kwargs, args):
     grads_shape = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(grad_tree), [structs[i] for i in grad_leaves])
     value_leaves = jax.tree_util.tree_leaves(value_shape)
+    aux_updates: tuple[int | None, ...] = ()
+    if has_aux and micro_batch_statistics:
+        candidates = [(args[i], [slot[j] for j in range(offsets[i], offsets[i + 1])])
+                      for i in range(len(args)) if i not in nums
+                      and all(j in slot for j in range(offsets[i], offsets[i + 1]))
+                      and offsets[i + 1] > offsets[i]]
+        aux_updates = _state_updates(value_shape[1], candidates)
     call = GradCall(loss=loss, grad_leaves=grad_leaves, has_aux=has_aux,
+                    micro_batch_statistics=micro_batch_statistics, aux_updates=aux_updates,
                     num_value_leaves=len(value_leaves),
                     out_tree=jax.tree_util.tree_structure((value_shape, grads_shape)),
                     avals=avals,
@@ -270,6 +290,38 @@ def _captured_value_and_grad(fun, nums, has_aux, kwargs, args):
     outs = grad_call_p.bind(*[leaves[j] for j in arrays], index=len(calls) - 1,
                             serial=next(_SERIAL))
     return jax.tree_util.tree_unflatten(call.out_tree, outs)
+
+
+def _state_updates(aux, candidates) -> tuple[int | None, ...]:
+    """Per leaf of `aux`, the array leaf it is the new value of: where a sub-tree of `aux`
+    has the structure, shapes and dtypes of a candidate argument (Flax's `mutable` state
+    returned as `{"batch_stats": new}` for an argument `batch_stats`)."""
+    def sig(tree):
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+    sigs = [(sig(arg), slots) for arg, slots in candidates]
+    matched: dict[int, list[int]] = {}
+    used: set[int] = set()
+
+    def is_state(sub) -> bool:
+        if not jax.tree_util.tree_leaves(sub):
+            return False
+        s = sig(sub)
+        for k, (c, slots) in enumerate(sigs):
+            if s == c and k not in used:
+                used.add(k)
+                matched[id(sub)] = slots
+                return True
+        return False
+
+    out: list[int | None] = []
+    for item in jax.tree_util.tree_leaves(aux, is_leaf=is_state):
+        if id(item) in matched:
+            out.extend(matched[id(item)])
+        else:
+            out.append(None)
+    return tuple(out)
 
 
 # ---- gradient hooks ------------------------------------------------------------------------

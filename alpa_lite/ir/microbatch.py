@@ -31,12 +31,13 @@ The rule, tensor by tensor (walking both graphs in lockstep; they must be the sa
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
 from alpa_lite.errors import PlanningError
-from alpa_lite.ir.batch import Combine, batch_dims
+from alpa_lite.ir.batch import AuxRule, Combine, batch_dims
 from alpa_lite.ir.graph import Node, Role, as_dtype
 from alpa_lite.ir.op_rules import ELEMENTWISE, dim_labels
 from alpa_lite.ir.tracing import TracedStep
@@ -47,6 +48,7 @@ SIZED = "size"           # not computed from the batch, but from the batch *size
 UNIF = "uniform"         # a batch-shaped constant, the same along the batch (ones_like(x))
 PER = "per-example"      # carries the batch in one dimension, each slice one example's value
 TAIL = "tail"            # computed from a sum over the batch
+STAT = "statistic"       # with statistics per micro-batch: a nonlinear function of a TAIL
 
 _ADD = frozenset({"add", "add_any", "sub"})
 # Linear in operand 0 when the other operands are batch-independent (or indices).
@@ -59,7 +61,9 @@ _TAIL_LINEAR = frozenset({"neg", "copy", "copy_p", "convert_element_type", "resh
                           "reduce_sum", "slice", "stop_gradient"})
 _RTOL = 1e-9
 
-_FIX_STAT = ("use num_micro_batches=1, or compute the statistic per example / per "
+_FIX_STAT = ("use num_micro_batches=1, pass micro_batch_statistics=True to al.value_and_grad "
+             "to compute it per micro-batch as gradient accumulation does, or compute the "
+             "statistic per example / per "
              "fixed-size group (e.g. ghost batch norm with a fixed group size)")
 
 
@@ -99,8 +103,10 @@ def check_microbatching(micro: TracedStep, full: TracedStep, num_micro_batches: 
     return micro_batch_rules(micro, full, num_micro_batches)[0]
 
 
-def micro_batch_rules(micro: TracedStep, full: TracedStep, num_micro_batches: int
-                      ) -> tuple[float, tuple[tuple[Combine, int], ...]]:
+def micro_batch_rules(micro: TracedStep, full: TracedStep, num_micro_batches: int,
+                      running: Mapping[int, int] | None = None,
+                      statistics_per_micro_batch: bool = False
+                      ) -> tuple[float, tuple[AuxRule, ...]]:
     """The scale that makes `scale * sum(micro-batch losses and gradients)` equal the
     full-batch loss and gradients: 1/m for a mean over examples, 1.0 for a sum.
 
@@ -108,6 +114,13 @@ def micro_batch_rules(micro: TracedStep, full: TracedStep, num_micro_batches: in
     leaves of `value_and_grad(..., has_aux=True)`), how its micro-batch values combine into
     the full batch's and along which dimension (for `Combine.CONCAT`): the same value on
     every micro-batch, a mean or a sum over examples, or one entry per example.
+
+    With `statistics_per_micro_batch` (the user asked for gradient accumulation's meaning,
+    `al.value_and_grad(..., micro_batch_statistics=True)`), a value computed over the batch
+    may feed per-example values (BatchNorm's mean and variance): each micro-batch uses its
+    own, and the proof covers the rest of the loss. `running` maps aux outputs (positions
+    among the aux leaves) to the loss operand each is the new value of (BatchNorm's running
+    averages): they combine as `Combine.LAST`, threaded through the micro-batches.
 
     Args:
       micro: the loss function traced (`tracing.trace_flat`) at the micro-batch size; its
@@ -124,13 +137,16 @@ def micro_batch_rules(micro: TracedStep, full: TracedStep, num_micro_batches: in
     if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
         raise ValueError(f"num_micro_batches must be a positive int, got {m!r}")
     _check_structure(micro, full, m)
+    running = dict(running or {})
     n_aux = len(full.graph.outputs) - 1
     if m == 1:   # one micro-batch is the whole batch: nothing changes
-        return 1.0, ((Combine.SAME, 0),) * n_aux
-    checker = _Checker(micro, full, m)
+        return 1.0, tuple(AuxRule(Combine.LAST, updates=running[k]) if k in running
+                          else AuxRule(Combine.SAME) for k in range(n_aux))
+    checker = _Checker(micro, full, m, statistics_per_micro_batch)
     scale = checker.run()
-    return scale, tuple(checker.aux_rule(t, k) for k, t in
-                        enumerate(full.graph.outputs[1:], start=1))
+    return scale, tuple(AuxRule(Combine.LAST, updates=running[k]) if k in running
+                        else checker.aux_rule(t, k + 1)
+                        for k, t in enumerate(full.graph.outputs[1:]))
 
 
 def _check_structure(micro: TracedStep, full: TracedStep, m: int) -> None:
@@ -186,8 +202,10 @@ class _Checker:
     """Classifies every tensor the loss depends on (IND/SIZED/UNIF/PER/TAIL) in one
     topological pass; PER and TAIL tensors carry their ratio r (see the module docstring)."""
 
-    def __init__(self, micro: TracedStep, full: TracedStep, m: int):
+    def __init__(self, micro: TracedStep, full: TracedStep, m: int,
+                 statistics_per_micro_batch: bool = False):
         self.micro, self.full, self.m = micro, full, m
+        self.local_statistics = statistics_per_micro_batch
         self.gm, self.gf = micro.graph, full.graph
         self.kind: dict[int, str] = {}
         self.ratio: dict[int, float] = {}
@@ -255,9 +273,13 @@ class _Checker:
                                 f"{b} at the full batch size; use num_micro_batches=1")
         return a / b
 
-    def product_ratio(self, node: Node) -> float:
+    def product_ratio(self, node: Node, statistics_constant: bool = False) -> float:
+        """r of a product (or quotient); with `statistics_constant`, operands computed over
+        the micro-batch count as constants (statistics per micro-batch)."""
         r = 1.0
-        for pos in range(len(node.inputs)):
+        for pos, t in enumerate(node.inputs):
+            if statistics_constant and t is not None and self.kind[t] in (TAIL, STAT):
+                continue
             f = self.factor(node, pos)
             r = r / f if node.primitive == "div" and pos == 1 else r * f
         return r
@@ -276,7 +298,7 @@ class _Checker:
             kinds = {self.kind[t] for t in node.inputs if t is not None}
             if PER in kinds:
                 self.per_node(node, kinds)
-            elif TAIL in kinds:
+            elif TAIL in kinds or STAT in kinds:
                 self.tail_node(node, kinds)
             else:
                 self.const_node(node, kinds)
@@ -284,6 +306,11 @@ class _Checker:
 
     def finish(self, loss: int) -> float:
         kind = self.kind[loss]
+        if kind == STAT:
+            raise PlanningError(
+                "the loss is a nonlinear function of statistics computed over the micro-batch "
+                "(not a mean or sum of per-example terms), so micro-batch losses do not add "
+                "up to it; use num_micro_batches=1")
         if self.gf.tensors[loss].shape != ():
             raise PlanningError(f"the loss has shape {self.gf.tensors[loss].shape}; it must be "
                                 "a scalar to be split into micro-batches")
@@ -303,24 +330,30 @@ class _Checker:
             f"{self.m}, a sum 1); make it a plain mean or sum over examples, or use "
             "num_micro_batches=1")
 
-    def aux_rule(self, t: int, position: int) -> tuple[Combine, int]:
+    def aux_rule(self, t: int, position: int) -> AuxRule:
         """How aux output `t` combines over micro-batches, and along which dimension."""
         kind, name = self.kind[t], f"aux output {position} of the loss function"
         if kind == IND:
-            return Combine.SAME, 0
+            return AuxRule(Combine.SAME)
         if kind == TAIL:
             r = self.ratio[t]
             if self.close(r, self.m):
-                return Combine.MEAN, 0
+                return AuxRule(Combine.MEAN)
             if self.close(r, 1.0):
-                return Combine.SUM, 0
+                return AuxRule(Combine.SUM)
             raise PlanningError(
                 f"{name} is computed over the batch but is neither a mean nor a sum over "
                 f"examples ({r:g} times larger per micro-batch than over the same examples in "
                 "the full batch), so no combination of its micro-batch values equals it; "
                 "return a plain mean or sum over examples, or use num_micro_batches=1")
+        if kind == STAT:
+            raise PlanningError(
+                f"{name} is a statistic of each micro-batch (computed per micro-batch, as "
+                "asked): the step has no single value for it. Return it as the new value of "
+                "a loss argument of the same structure (BatchNorm's running averages), which "
+                "each micro-batch then updates in turn, or use num_micro_batches=1")
         if kind == PER and self.close(self.ratio[t], 1.0) and self.scaled_dim(t) == self.dim[t]:
-            return Combine.CONCAT, self.dim[t]
+            return AuxRule(Combine.CONCAT, axis=self.dim[t])
         raise PlanningError(
             f"{name} depends on the batch size itself (its values change with how many "
             "examples a micro-batch holds), so its micro-batch values cannot be combined "
@@ -387,7 +420,7 @@ class _Checker:
     def per_node(self, node: Node, kinds: set[str]) -> None:
         """Some operand carries the batch: examples must stay apart, or be summed over."""
         op, prim = _op(node), node.primitive
-        if TAIL in kinds:
+        if kinds & {TAIL, STAT} and not self.local_statistics:
             raise PlanningError(
                 f"{op} combines per-example values with a value computed over the "
                 "whole batch (batch statistics, e.g. batch norm's mean and variance): each "
@@ -488,7 +521,7 @@ class _Checker:
         their r (exact for each example); anything else needs r == 1, or is linear."""
         prim, op = node.primitive, _op(node)
         if prim in ("mul", "div", "dot_general"):
-            return self.product_ratio(node)
+            return self.product_ratio(node, statistics_constant=self.local_statistics)
         if self.literal_differs(node):
             raise PlanningError(self.sized_message(node))
         dep = [(p, t) for p, t in enumerate(node.inputs)
@@ -522,7 +555,22 @@ class _Checker:
             "sum over examples (a plain mean), or use num_micro_batches=1")
 
     def tail_node(self, node: Node, kinds: set[str]) -> None:
-        """Computed from a sum over the batch: must stay linear in it up to the loss."""
+        """Computed from a sum over the batch: must stay linear in it up to the loss. With
+        statistics per micro-batch, anything else is a statistic of the micro-batch (STAT),
+        which per-example values may use but the loss may not be."""
+        if self.local_statistics and SIZED not in kinds:
+            try:
+                if STAT in kinds:
+                    raise PlanningError("a statistic of the micro-batch")
+                self.linear_tail(node, kinds)
+            except PlanningError:
+                for t in node.outputs:
+                    self.kind[t] = STAT
+            return
+        self.linear_tail(node, kinds)
+
+    def linear_tail(self, node: Node, kinds: set[str]) -> None:
+        """The strict rule of `tail_node`."""
         op, prim = _op(node), node.primitive
         if UNIF in kinds:
             raise PlanningError(

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from alpa_lite.errors import PlanningError
-from alpa_lite.ir.graph import OpGraph, Role, as_dtype, dtype_name, is_key
-from alpa_lite.ir.batch import Combine, batch_dims
+from alpa_lite.ir.batch import AuxRule, batch_dims, batch_size
 from alpa_lite.ir.batch_draws import check_drawable
+from alpa_lite.ir.graph import OpGraph, Role, as_dtype, dtype_name, is_key
 from alpa_lite.ir.microbatch import check_microbatching, micro_batch_rules
 from alpa_lite.ir.replay import replay
 from alpa_lite.ir.tracing import (
@@ -61,7 +61,7 @@ class StepParts:
     loss_scale: float                       # mean over micro-batches (1/m) or sum (1.0)
     # Per aux leaf (forward outputs after the loss), how micro-batch values combine and
     # along which dimension (`Combine.CONCAT`).
-    aux: tuple[tuple[Combine, int], ...] = ()
+    aux: tuple[AuxRule, ...] = ()
     # Per `random_bits` equation of the loss, whether it draws along the batch and so per
     # micro-batch from the rows it holds (`ir.batch_draws`); with any, `forward`'s last
     # input is the micro-batch's row indices (a batch leaf the runtime makes).
@@ -135,6 +135,9 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
         full = trace_flat(_flat(call), full_avals, full_roles, full_names)
         fg = full.graph
         keys = {fg.inputs.index(t) for t in random_key_inputs(fg.nodes, fg.tensors, fg.inputs)}
+    batch_size({name: tuple(a.shape) for pos, (a, r, name) in
+                enumerate(zip(full_avals, full_roles, full_names))
+                if r is Role.BATCH and pos not in keys})
     avals, roles, names, batch_inputs = [], [], [], []
     for pos, (aval, tid) in enumerate(zip(call.avals, node.inputs)):
         is_batch = tid is not None and full_roles[pos] is Role.BATCH and pos not in keys
@@ -166,7 +169,9 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
     out = forward.graph.tensors[forward.graph.outputs[0]]
     if out.shape != () or not _is_float(out.dtype):
         raise PlanningError(f"the loss must be a float scalar, got {out.dtype}{list(out.shape)}")
-    scale, aux = 1.0, ((Combine.SAME, 0),) * (len(forward.graph.outputs) - 1)
+    running = {k: pos for k, pos in enumerate(call.aux_updates) if pos is not None}
+    rules = dict(running=running, statistics_per_micro_batch=call.micro_batch_statistics)
+    scale, aux = micro_batch_rules(forward, forward, 1, running)
     draws: tuple[bool, ...] = ()
     if m > 1:
         if full is None or keys:    # (with keys the roles differ from the probe's)
@@ -179,11 +184,11 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
         else:
             draws = ()
         try:
-            scale, aux = micro_batch_rules(forward, full, m)
+            scale, aux = micro_batch_rules(forward, full, m, **rules)
         except PlanningError:
             if not _one_example(avals, batch_inputs):
                 raise
-            scale, aux = _proxy_rules(call, avals, batch_inputs, roles, names, m, draws)
+            scale, aux = _proxy_rules(call, avals, batch_inputs, roles, names, m, draws, rules)
     return StepParts(outer=outer, grad_node=node.id, call=call,
                      forward=sink_batch_free_work(forward),
                      batch_inputs=tuple(batch_inputs), num_micro_batches=m, loss_scale=scale,
@@ -278,7 +283,7 @@ def _one_example(avals, batch_inputs) -> bool:
         a.shape[0] == 1 for a, b in zip(avals, batch_inputs) if b)
 
 
-def _proxy_rules(call, avals, batch_inputs, roles, names, m: int, draws=()):
+def _proxy_rules(call, avals, batch_inputs, roles, names, m: int, draws=(), rules=None):
     """The micro-batch proof for micro-batches of one example, made at two examples.
 
     JAX traces size-1 dimensions differently (it may drop or broadcast them where a larger
@@ -294,7 +299,7 @@ def _proxy_rules(call, avals, batch_inputs, roles, names, m: int, draws=()):
                                                 tuple(a.shape), a.dtype)
                            for a, b in zip(avals, batch_inputs)], roles, names, draws)
 
-    return micro_batch_rules(at(2), at(2 * m), m)
+    return micro_batch_rules(at(2), at(2 * m), m, **(rules or {}))
 
 
 _LOCAL_FORWARDS: "weakref.WeakKeyDictionary[StepParts, dict]" = weakref.WeakKeyDictionary()

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
+from alpa_lite.ir.batch_draws import batch_bits_p
 from alpa_lite.ir.graph import (
     Node,
     OpGraph,
@@ -48,7 +49,6 @@ from alpa_lite.ir.graph import (
     dtype_name,
     is_key,
 )
-from alpa_lite.ir.batch_draws import batch_bits_p
 from alpa_lite.ir.markers import PARAM, boundary_p, capture_grad_calls, marker_p
 
 # Calls whose body is inlined into the flat graph, and where each keeps its body.
@@ -407,14 +407,19 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
     flat_abstract, in_tree = jax.tree_util.tree_flatten(tuple(abstract_args))
 
     calls: list = []
-    if capture:
-        # A fresh function object: JAX caches traces per function, and a capturing trace
-        # must neither reuse nor leave behind the plain one.
-        with capture_grad_calls() as calls:
-            closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a),
-                                               return_shape=True)(*abstract_args)
-    else:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
+    try:
+        if capture:
+            # A fresh function object: JAX caches traces per function, and a capturing trace
+            # must neither reuse nor leave behind the plain one.
+            with capture_grad_calls() as calls:
+                closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a),
+                                                   return_shape=True)(*abstract_args)
+        else:
+            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
+    except (TypeError, ValueError) as e:
+        if "PRNG key data" not in str(e):
+            raise
+        raise _bad_key_data(e, input_names, flat_abstract) from e
     out_tree = jax.tree_util.tree_structure(out_shape)
 
     roles = [Role.BATCH if is_batch else Role.OPT_STATE for is_batch in batch_leaf]
@@ -447,6 +452,19 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
                       in_tree=in_tree, out_tree=out_tree, input_avals=input_avals,
                       fingerprint=_fingerprint(graph), boundaries=tuple(b.boundaries),
                       grad_calls=tuple(calls), notes=tuple(b.notes))
+
+
+def _bad_key_data(error: Exception, names: Sequence[str], avals: Sequence[Any]) -> TypeError:
+    """JAX's error for a raw key of the wrong shape, naming the step's argument leaves that
+    could be it."""
+    want = tuple(jax.random.key_data(jax.random.key(0)).shape)
+    bad = [f"{n} {list(a.shape)}" for n, a in zip(names, avals)
+           if a.dtype == np.uint32 and tuple(a.shape[len(a.shape) - len(want):]) != want]
+    where = f" (uint32 leaves not ending in {list(want)}: {', '.join(bad)})" if bad else ""
+    return TypeError(
+        f"a random key argument is not a key{where}: a raw key from jax.random.PRNGKey is "
+        f"uint32 with trailing shape {list(want)}; pass jax.random.PRNGKey(seed) or "
+        f"jax.random.key(seed) as it comes. JAX said: {error}")
 
 
 # Primitives that read a raw uint32 key (`jax.random.PRNGKey`) as key data.

@@ -129,6 +129,7 @@ class Combine(enum.Enum):
     MEAN = "mean"          # a mean over examples: the mean of the micro-batch values
     SUM = "sum"            # a sum over examples: their sum
     CONCAT = "concat"      # one entry per example: concatenated along the batch dimension
+    LAST = "last"          # a running value: each micro-batch reads the previous one's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +137,14 @@ class AuxCombination:
     """How one aux output of the loss function is combined over the micro-batches."""
     combine: Combine
     axis: int = 0                       # the batch dimension, for Combine.CONCAT
+    updates: int | None = None          # Combine.LAST: the loss operand it is the new value of
 
     def __str__(self) -> str:
-        return (f"{self.combine.value} along dim {self.axis}"
-                if self.combine is Combine.CONCAT else self.combine.value)
+        if self.combine is Combine.CONCAT:
+            return f"{self.combine.value} along dim {self.axis}"
+        if self.combine is Combine.LAST:
+            return f"running value of loss operand {self.updates}"
+        return self.combine.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,7 +463,7 @@ def _pipeline_to_obj(p: PipelineSpec | None):
             "apply_s": float(p.apply_s), "reduce_s": float(p.reduce_s),
             "update_stages": list(p.update_stages),
             "inputs": [[i.stage, i.spec.to_json()] for i in p.inputs]} | (
-        {"aux": [[a.combine.value, a.axis] for a in p.aux]} if p.aux else {}) | (
+        {"aux": [[a.combine.value, a.axis, a.updates] for a in p.aux]} if p.aux else {}) | (
         {"batch_draws": p.batch_draws} if p.batch_draws else {})
 
 
@@ -473,7 +478,8 @@ def _pipeline_from_obj(o) -> PipelineSpec | None:
         apply_s=float(o["apply_s"]), reduce_s=float(o["reduce_s"]),
         update_stages=tuple(int(s) for s in o["update_stages"]),
         inputs=tuple(InputPlacement(int(s), TensorSpec.from_json(x)) for s, x in o["inputs"]),
-        aux=tuple(AuxCombination(Combine(c), int(a)) for c, a in o.get("aux", ())),
+        aux=tuple(AuxCombination(Combine(c), int(a), None if u is None else int(u))
+                  for c, a, u in o.get("aux", ())),
         batch_draws=int(o.get("batch_draws", 0)))
 
 

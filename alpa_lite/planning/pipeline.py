@@ -54,8 +54,8 @@ from alpa_lite.plan import (
     StagePlan,
 )
 from alpa_lite.plan.memory import MemoryEstimate
-from alpa_lite.plan.plan import AuxCombination, Combine
 from alpa_lite.plan.methods import Auto, Manual
+from alpa_lite.plan.plan import AuxCombination, Combine
 from alpa_lite.plan.sharding import CommModel, LogicalMesh, TensorSpec, itemsize
 from alpa_lite.planning.gradient_sync import PlannedStage, grad_reduction_ops, stage_sync
 from alpa_lite.planning.intra_op import (
@@ -513,7 +513,8 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
                         bubble_fraction=sim.bubble_fraction, send_s=tuple(sends),
                         apply_s=apply_s, reduce_s=max(reduce_s),
                         update_stages=update_stages, inputs=inputs,
-                        aux=tuple(AuxCombination(Combine(c.value), a) for c, a in parts.aux),
+                        aux=tuple(AuxCombination(Combine(r.combine.value), r.axis, r.updates)
+                                  for r in parts.aux),
                         batch_draws=sum(parts.batch_draws))
     unsharded = tuple(sorted({p for c in costs for p in c.result.unsharded_primitives}))
     stats = PlanningStats(

@@ -19,7 +19,7 @@ from typing import Mapping
 
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import PlanningError
-from alpa_lite.ir.batch import batch_dims
+from alpa_lite.ir.batch import batch_dims, batch_size
 from alpa_lite.ir.graph import OpGraph, Role, Tensor
 from alpa_lite.ir.op_rules import dim_labels
 from alpa_lite.ir.tracing import TracedStep
@@ -195,10 +195,8 @@ def manual_pins(graph: OpGraph, dp: int, tp: int, zero: bool,
 
 
 def _check_batch(graph: OpGraph, dp: int) -> None:
+    batch_size({t.name: t.shape for t in graph.tensors_with_role(Role.BATCH)})
     for t in graph.tensors_with_role(Role.BATCH):
-        if not t.shape:
-            raise PlanningError(f"batch leaf {t.name} is a scalar; a batch leaf needs a "
-                                "leading batch dimension to split over data-parallel devices")
         if t.shape[0] % dp:
             raise PlanningError(
                 f"batch leaf {t.name} has leading dimension {t.shape[0]}, which is not "

@@ -371,7 +371,21 @@ class PipelineExecutable:
         for st in self.stages:
             params.append(place([fwd_value[t] for t in st.prog.params], st.param_in))
 
+        # Running values (BatchNorm's averages with statistics per micro-batch): micro-batch
+        # i reads what micro-batch i - 1 made of them.
+        threaded = {fwd.inputs[rule.updates]: fwd.outputs[k]
+                    for k, rule in enumerate(self.plan.pipeline.aux, start=1)
+                    if rule.combine is Combine.LAST}
+
         def micro(t: int, i: int):
+            if t in threaded and i > 0:
+                made = aux_values[threaded[t]]
+                if len(made) < i:
+                    raise PlanMismatchError(
+                        f"micro-batch {i} reads the running value {fwd.tensors[t].name} "
+                        f"before micro-batch {i - 1} has made it (a later stage makes it); "
+                        "use num_micro_batches=1")
+                return made[i - 1]
             x = fwd_value[t]
             if t in self.batch_inputs:
                 b = x.shape[0] // m
@@ -544,7 +558,7 @@ def _psum(x, axes):
 
 def combine(rule: AuxCombination, values: list):
     """An aux output's value for the step from its micro-batch values (in order)."""
-    if rule.combine is Combine.SAME or len(values) == 1:
+    if rule.combine in (Combine.SAME, Combine.LAST) or len(values) == 1:
         return values[-1]
     if rule.combine is Combine.CONCAT:
         values = [jax.device_put(v, values[0].sharding) for v in values]
