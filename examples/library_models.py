@@ -133,12 +133,21 @@ def _hf_train_step(model, tx):
     return train_step
 
 
+def _hf_model(cls, config):
+    """The model and its random weights, no download: `_do_init=False` and the weights from
+    `init_weights` under jit (the seed-0 key `_do_init=True` would use; op by op, as
+    `_do_init=True` runs it, initialising takes seconds)."""
+    model = cls(config, _do_init=False)
+    params = jax.jit(model.init_weights, static_argnums=1)(jax.random.PRNGKey(0),
+                                                          model.input_shape)
+    return model, params
+
+
 def hf_gpt2(batch_size: int = 8) -> Case:
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
     config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32)
-    model = FlaxGPT2LMHeadModel(config, seed=0, _do_init=True)   # random weights, no download
-    params = model.params
+    model, params = _hf_model(FlaxGPT2LMHeadModel, config)
     return Case(_hf_train_step(model, SGD),
                 (params, SGD.init(params), _token_batch(batch_size)), _largest_2d(params))
 
@@ -149,8 +158,7 @@ def hf_bert(batch_size: int = 8) -> Case:
     config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=4, intermediate_size=64,
                         max_position_embeddings=32)
-    model = FlaxBertForMaskedLM(config, seed=0, _do_init=True)
-    params = model.params
+    model, params = _hf_model(FlaxBertForMaskedLM, config)
     return Case(_hf_train_step(model, SGD),
                 (params, SGD.init(params), _token_batch(batch_size)), _largest_2d(params))
 
