@@ -1,8 +1,8 @@
 """Models written as their own libraries' docs write them, with a train step each, for
 tests/test_library_models.py and bench/real_models.py. Every builder returns a `Case`:
-the step (as the docs write it, the gradient call being `al.value_and_grad`), its
-arguments, and the path of the largest 2-D weight. Builders import their library lazily, so a missing library skips only
-its own tests (`pytest.importorskip` in the test file).
+the step (as the docs write it, the gradient call being `al.value_and_grad`) and its
+arguments. Builders import their library lazily, so a missing library skips only its own
+tests (`pytest.importorskip` in the test file).
 
 Sizes are tiny: the file runs many plans, each compiled once. `hf_full_size` is the
 exception: GPT-2 small and BERT-base at their published sizes, as shapes only, for
@@ -25,14 +25,6 @@ class Case:
     step: Callable            # (params, opt_state, batch) -> (params, opt_state, loss)
     args: tuple               # (params, opt_state, batch); flax_bn_cnn: params is
                               # (params, batch_stats), returned first as new
-    largest_weight: str       # jax.tree_util.keystr of the largest 2-D parameter
-
-
-def _largest_2d(params) -> str:
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    path, _ = max(((p, x) for p, x in leaves if getattr(x, "ndim", 0) == 2),
-                  key=lambda px: px[1].size)
-    return jax.tree_util.keystr(path)
 
 
 # SGD for the exact comparisons: Adam divides by the gradient's magnitude, turning
@@ -73,7 +65,7 @@ def nnx_mlp(batch_size: int = 16) -> Case:
     k = jax.random.split(jax.random.key(1), 2)
     batch = {"x": jax.random.normal(k[0], (batch_size, 16)),
              "y": jax.random.normal(k[1], (batch_size, 8))}
-    return Case(train_step, (state, SGD.init(state), batch), _largest_2d(state))
+    return Case(train_step, (state, SGD.init(state), batch))
 
 
 # ---- (d) Equinox: partition into arrays and the static rest -----------------------------
@@ -100,14 +92,13 @@ def eqx_mlp(batch_size: int = 16) -> Case:
     k = jax.random.split(jax.random.key(1), 2)
     batch = {"x": jax.random.normal(k[0], (batch_size, 16)),
              "y": jax.random.normal(k[1], (batch_size, 8))}
-    return Case(train_step, (params, SGD.init(params), batch), _largest_2d(params))
+    return Case(train_step, (params, SGD.init(params), batch))
 
 
 # ---- (e) Hugging Face transformers Flax GPT-2 and BERT, from a config -------------------
 
-# A vocabulary of 2048 (not 128): at 128 or 512 Auto keeps the tied token embedding, then
-# the largest 2-D weight, replicated (it tensor-shards the blocks' kernels instead); at 2048
-# it splits the embedding too, which the test checks.
+# A vocabulary of 2048: the token embedding, tied to the output layer, is then the largest
+# weight, as in the real models.
 VOCAB, SEQ = 2048, 16
 
 
@@ -149,7 +140,7 @@ def hf_gpt2(batch_size: int = 8) -> Case:
     config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32)
     model, params = _hf_model(FlaxGPT2LMHeadModel, config)
     return Case(_hf_train_step(model, SGD),
-                (params, SGD.init(params), _token_batch(batch_size)), _largest_2d(params))
+                (params, SGD.init(params), _token_batch(batch_size)))
 
 
 def hf_bert(batch_size: int = 8) -> Case:
@@ -160,7 +151,7 @@ def hf_bert(batch_size: int = 8) -> Case:
                         max_position_embeddings=32)
     model, params = _hf_model(FlaxBertForMaskedLM, config)
     return Case(_hf_train_step(model, SGD),
-                (params, SGD.init(params), _token_batch(batch_size)), _largest_2d(params))
+                (params, SGD.init(params), _token_batch(batch_size)))
 
 
 def hf_full_size(kind: str, batch_size: int, seq: int, tx=None) -> Case:
@@ -188,7 +179,7 @@ def hf_full_size(kind: str, batch_size: int, seq: int, tx=None) -> Case:
     opt_state = jax.eval_shape(tx.init, params)
     tokens = jax.ShapeDtypeStruct((batch_size, seq), jnp.int32)
     batch = {"input_ids": tokens, "labels": tokens}
-    return Case(_hf_train_step(model, tx), (params, opt_state, batch), _largest_2d(params))
+    return Case(_hf_train_step(model, tx), (params, opt_state, batch))
 
 
 # ---- (f) an optax chain with a schedule and a decay mask; bf16 mixed precision ----------
@@ -237,7 +228,7 @@ def optax_chain(compute_dtype=None, batch_size: int = 16) -> Case:
     batch = {"x": jax.random.normal(k[0], (batch_size, 16)),
              "y": jax.random.normal(k[1], (batch_size, 8))}
     params = model.init(k[2], batch["x"])["params"]
-    return Case(train_step, (params, tx.init(params), batch), _largest_2d(params))
+    return Case(train_step, (params, tx.init(params), batch))
 
 
 # ---- (g) Flax linen: a decoder-only transformer, its blocks under nn.scan(nn.remat(...)) -
@@ -308,7 +299,7 @@ def flax_scan_transformer(batch_size: int = 8, layers: int = TF_LAYERS) -> Case:
     params = jax.jit(model.init, static_argnames="train")(jax.random.key(0), ids,
                                                           train=False)["params"]
     batch = {"ids": ids, "key": jax.random.key(2)}
-    return Case(train_step, (params, SGD.init(params), batch), _largest_2d(params))
+    return Case(train_step, (params, SGD.init(params), batch))
 
 
 # ---- (h) Flax linen: a CNN with BatchNorm, its statistics through has_aux ---------------
@@ -351,7 +342,7 @@ def flax_bn_cnn(batch_size: int = 16) -> Case:
              "y": jax.random.randint(k[1], (batch_size,), 0, 4)}
     variables = jax.jit(model.init, static_argnames="train")(k[2], batch["x"], train=False)
     state = (variables["params"], variables["batch_stats"])
-    return Case(train_step, (state, SGD.init(state[0]), batch), _largest_2d(state))
+    return Case(train_step, (state, SGD.init(state[0]), batch))
 
 
 BUILDERS: dict[str, tuple[str, Callable[[], Case]]] = {

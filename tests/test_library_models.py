@@ -27,11 +27,6 @@ PLANS = {
 MODELS = ["nnx_mlp", "eqx_mlp", "hf_gpt2", "hf_bert", "optax_chain", "flax_scan_transformer",
           "flax_bn_cnn"]
 
-# Auto keeps the BatchNorm CNN's weights whole (a 1x8 mesh, the batch split 8 ways): at its
-# size (a 128x32 Dense kernel, a batch of 16 8x8 images) splitting a weight saves less than
-# the collectives it adds would cost.
-AUTO_KEEPS_DATA_PARALLEL = {"flax_bn_cnn"}
-
 # Micro-batched plans refuse BatchNorm by name (a batch statistic is not a sum over
 # micro-batches); tests/test_flax_batchnorm.py checks the refusal.
 NOT_MICRO_BATCHED = {"flax_bn_cnn"}
@@ -55,12 +50,14 @@ def _case(name):
     return _built(name)
 
 
-def _assert_sharded_under_auto(step, case):
-    """Auto must tensor-shard the largest 2-D weight, not fall back to data parallelism."""
-    shardings = jax.tree_util.tree_flatten_with_path(step.input_shardings(*case.args)[0])[0]
-    where = {jax.tree_util.keystr(path): s for path, s in shardings}
-    assert not where[case.largest_weight].is_fully_replicated, (
-        case.largest_weight, where[case.largest_weight])
+def _assert_auto_at_least_as_fast(step, case):
+    """Auto's plan is estimated no slower than the textbook plans (DataParallel and
+    Megatron 2x4). At these tiny sizes that is often data parallelism itself; that Auto
+    shards large weights where it pays is tests/test_control_flow.py's check."""
+    auto = step.plan(*case.args).step_time_s
+    for method in (al.DataParallel(), al.Manual(dp=2, tp=4)):
+        other = al.parallelize(case.step, method=method).plan(*case.args).step_time_s
+        assert auto <= other * (1 + 1e-9), (method, auto, other)
 
 
 @pytest.mark.parametrize("model,plan", [
@@ -75,8 +72,8 @@ def test_library_model_matches_jit(model, plan):
     assert jax.tree.structure(out[0]) == jax.tree.structure(ref[0])
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    if plan == "auto" and model not in AUTO_KEEPS_DATA_PARALLEL:
-        _assert_sharded_under_auto(step, case)
+    if plan == "auto":
+        _assert_auto_at_least_as_fast(step, case)
 
 
 # ---- mixed precision: fp32 master weights, bf16 compute ----------------------
