@@ -50,20 +50,7 @@ from alpa_lite.ir.graph import (
     is_key,
 )
 from alpa_lite.ir.markers import PARAM, boundary_p, capture_grad_calls, marker_p
-
-# Calls whose body is inlined into the flat graph, and where each keeps its body.
-_INLINED_CALLS = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-}
-
+from alpa_lite.ir.op_rules import CALL_BODIES
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TracedStep:
@@ -137,8 +124,8 @@ class _Builder:
                 if not self.boundaries or self.boundaries[-1] != len(self.nodes):
                     self.boundaries.append(len(self.nodes))
                 continue
-            if name in _INLINED_CALLS and _INLINED_CALLS[name] in eqn.params:
-                self._inline(eqn, eqn.params[_INLINED_CALLS[name]], in_atoms, env, eqn_scope)
+            if name in CALL_BODIES and CALL_BODIES[name] in eqn.params:
+                self._inline(eqn, eqn.params[CALL_BODIES[name]], in_atoms, env, eqn_scope)
                 continue
             where = eqn_scope or "the step"
             if name == "scan" and unrolls(eqn.params):
