@@ -120,3 +120,35 @@ def test_pipelines_take_loss_operands_computed_in_the_step():
     np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@jax.custom_vjp
+def _round_ste(x):
+    return jnp.round(x)
+
+
+# A straight-through estimator: the gradient of round taken as 1, not 0.
+_round_ste.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+
+
+def _ste_loss(p, x):
+    h = _round_ste(x @ p["w1"])
+    h = jax.nn.relu(h)          # exact zeros: jax.nn.relu's custom derivative there is 0
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+
+def _ste_step(p, s, x):
+    loss, g = al.value_and_grad(_ste_loss)(p, x)
+    u, s = TX.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+
+def test_pipelines_keep_custom_derivative_rules():
+    k = jax.random.split(jax.random.key(3), 3)
+    p = {"w1": jax.random.normal(k[0], (16, 32)), "w2": jax.random.normal(k[1], (32, 8))}
+    args = (p, TX.init(p), jax.random.normal(k[2], (16, 16)))
+    ref = jax.jit(_ste_step)(*args)
+    out = al.parallelize(_ste_step, method=al.Manual(dp=4, pp=2, num_micro_batches=2))(*args)
+    np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

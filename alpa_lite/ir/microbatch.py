@@ -67,8 +67,10 @@ _FIX_STAT = ("use num_micro_batches=1, pass micro_batch_statistics=True to al.va
              "fixed-size group (e.g. ghost batch norm with a fixed group size)")
 
 
-# Loops and branches kept whole by tracing: their rule comes from their bodies.
-CONTROL_FLOW = frozenset({"scan", "while", "cond"})
+# Loops, branches and custom-derivative calls kept whole by tracing: their rule comes from
+# their bodies.
+CONTROL_FLOW = frozenset({"scan", "while", "cond", "custom_jvp_call", "custom_vjp_call",
+                          "custom_vjp_call_jaxpr"})
 
 
 def _body_literals(params) -> list:

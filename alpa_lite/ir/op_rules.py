@@ -522,6 +522,11 @@ CALL_BODIES = {
 }
 
 
+# Calls that carry their own derivative rule (kept whole where the program is differentiated
+# after tracing: `tracing.trace_flat`).
+CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
 class _BodyDims:
     """Union-find over the dimensions (variable, axis) of a body's values: dimensions in
     one class carry one label through every operator; a class is blocked where some
@@ -724,7 +729,19 @@ def _cond(L, prim, params, ins, outs):
     return _body_rule(L, ins, outs, [None] + list(first.invars), list(first.outvars), dims)
 
 
+def _call(L, prim, params, ins, outs):
+    """A call kept whole (a function with a custom derivative): its body's rule."""
+    body = params[CALL_BODIES[prim]]
+    body = getattr(body, "jaxpr", body)
+    dims = _BodyDims()
+    dims.walk(body)
+    return _body_rule(L, ins, outs, body.invars, body.outvars, dims)
+
+
 _RULES = {
+    "custom_jvp_call": _call,
+    "custom_vjp_call": _call,
+    "custom_vjp_call_jaxpr": _call,
     "scan": _scan,
     "while": _while,
     "cond": _cond,

@@ -50,7 +50,7 @@ from alpa_lite.ir.graph import (
     is_key,
 )
 from alpa_lite.ir.markers import PARAM, boundary_p, capture_grad_calls, marker_p
-from alpa_lite.ir.op_rules import CALL_BODIES
+from alpa_lite.ir.op_rules import CALL_BODIES, CUSTOM_DERIVATIVES
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TracedStep:
@@ -90,6 +90,8 @@ class _Builder:
         self.draw_shapes: list[tuple[int, ...]] = []
         self.batch_draws: Sequence[bool] = ()
         self.rows: int | None = None
+        # Keep functions with a custom derivative whole (see `trace_flat`).
+        self.keep_custom_rules = False
 
     def new_tensor(self, aval, name: str = "", role: Role = Role.ACTIVATION) -> int:
         tid = len(self.tensors)
@@ -124,7 +126,8 @@ class _Builder:
                 if not self.boundaries or self.boundaries[-1] != len(self.nodes):
                     self.boundaries.append(len(self.nodes))
                 continue
-            if name in CALL_BODIES and CALL_BODIES[name] in eqn.params:
+            if name in CALL_BODIES and CALL_BODIES[name] in eqn.params and not (
+                    self.keep_custom_rules and name in CUSTOM_DERIVATIVES):
                 self._inline(eqn, eqn.params[CALL_BODIES[name]], in_atoms, env, eqn_scope)
                 continue
             where = eqn_scope or "the step"
@@ -477,6 +480,11 @@ def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
     """Traces `fn(*leaves)` (array leaves in, a flat tuple of arrays out) into a graph
     whose inputs carry the given roles; used for the pieces of a pipelined step.
 
+    The pieces are differentiated later (`jax.vjp` of their replay), so a function with a
+    custom derivative (`jax.custom_vjp`, `jax.custom_jvp`: a straight-through estimator,
+    relu's gradient at 0) stays one node, whose replay brings its rule along; inlined, its
+    body would be differentiated instead, silently.
+
     With `batch_draws` (per `random_bits` equation in trace order, whether its leading
     dimension is the batch's), the graph gets one more input, last: the micro-batch's row
     indices into the batch (uint32, a batch leaf), and the marked draws become
@@ -492,7 +500,8 @@ def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
     else:
         closed = jax.make_jaxpr(fn)(*structs)
     b, input_ids, output_ids = _build(closed, roles, names, distinct_outputs=True,
-                                      batch_draws=batch_draws if rows else ())
+                                      batch_draws=batch_draws if rows else (),
+                                      keep_custom_rules=True)
     boundaries = list(b.boundaries)
     _eliminate_dead_code(b, input_ids, output_ids, boundaries)
     tensors = list(b.tensors)
@@ -573,7 +582,7 @@ def sink_batch_free_work(traced: TracedStep) -> TracedStep:
 
 
 def _build(closed, roles: Sequence[Role], names: Sequence[str], distinct_outputs: bool,
-           batch_draws: Sequence[bool] = ()):
+           batch_draws: Sequence[bool] = (), keep_custom_rules: bool = False):
     """Walks a closed jaxpr into a `_Builder`: its inputs get `roles` and `names`, its
     constants become CONST tensors. Returns the builder, the input ids and the output ids.
 
@@ -592,6 +601,7 @@ def _build(closed, roles: Sequence[Role], names: Sequence[str], distinct_outputs
         env[var] = b.add_const(var.aval, value)
     if batch_draws:
         b.batch_draws, b.rows = tuple(batch_draws), input_ids[-1]
+    b.keep_custom_rules = keep_custom_rules
     b.walk(closed.jaxpr, env)
     output_ids: list[int] = []
     for v in closed.jaxpr.outvars:
