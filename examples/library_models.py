@@ -102,7 +102,7 @@ def eqx_mlp(batch_size: int = 16) -> Case:
 VOCAB, SEQ = 2048, 16
 
 
-def _token_batch(batch_size: int):
+def token_batch(batch_size: int):
     k = jax.random.split(jax.random.key(1), 2)
     return {"input_ids": jax.random.randint(k[0], (batch_size, SEQ), 0, VOCAB),
             "labels": jax.random.randint(k[1], (batch_size, SEQ), 0, VOCAB)}
@@ -124,7 +124,7 @@ def _hf_train_step(model, tx):
     return train_step
 
 
-def _hf_model(cls, config):
+def hf_model(cls, config):
     """The model and its random weights, no download: `_do_init=False` and the weights from
     `init_weights` under jit (the seed-0 key `_do_init=True` would use; op by op, as
     `_do_init=True` runs it, initialising takes seconds)."""
@@ -138,9 +138,9 @@ def hf_gpt2(batch_size: int = 8) -> Case:
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
     config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32)
-    model, params = _hf_model(FlaxGPT2LMHeadModel, config)
+    model, params = hf_model(FlaxGPT2LMHeadModel, config)
     return Case(_hf_train_step(model, SGD),
-                (params, SGD.init(params), _token_batch(batch_size)))
+                (params, SGD.init(params), token_batch(batch_size)))
 
 
 def hf_bert(batch_size: int = 8) -> Case:
@@ -149,9 +149,9 @@ def hf_bert(batch_size: int = 8) -> Case:
     config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=4, intermediate_size=64,
                         max_position_embeddings=32)
-    model, params = _hf_model(FlaxBertForMaskedLM, config)
+    model, params = hf_model(FlaxBertForMaskedLM, config)
     return Case(_hf_train_step(model, SGD),
-                (params, SGD.init(params), _token_batch(batch_size)))
+                (params, SGD.init(params), token_batch(batch_size)))
 
 
 def hf_full_size(kind: str, batch_size: int, seq: int, tx=None) -> Case:

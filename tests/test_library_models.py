@@ -11,6 +11,7 @@ import functools
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import alpa_lite as al
@@ -117,3 +118,31 @@ def test_bf16_mixed_precision_matches_jit(plan):
 # shard_map (XLA:CPU aborts).
 def test_bf16_mixed_precision_pipeline_matches_jit():
     _run_mixed("optax_chain_bf16", "dp4_pp2_m2")
+
+
+def test_hf_gpt2_with_dropout_in_a_pipeline_matches_jit():
+    """Hugging Face's training call (`train=True, dropout_rng=...`), the key folded in the
+    step: the pipeline draws each micro-batch's rows of jax.jit's dropout masks."""
+    pytest.importorskip("transformers")
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=lm.VOCAB, n_positions=32)
+    model, params = lm.hf_model(FlaxGPT2LMHeadModel, config)
+    tx = lm.SGD
+
+    def loss_fn(params, ids, labels, key):
+        logits = model(ids, params=params, train=True, dropout_rng=key).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def step(params, opt_state, batch):
+        key = jax.random.fold_in(batch["key"], 1)
+        loss, g = al.value_and_grad(loss_fn)(params, batch["input_ids"], batch["labels"], key)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    args = (params, tx.init(params), dict(lm.token_batch(8), key=jax.random.PRNGKey(3)))
+    ref = jax.jit(step)(*args)
+    out = al.parallelize(step, method=PLANS["dp4_pp2_m2"])(*args)
+    np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
