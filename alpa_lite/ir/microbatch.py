@@ -35,12 +35,13 @@ from typing import Mapping
 
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex
 
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.batch import AuxRule, Combine, batch_dims
 from alpa_lite.ir.graph import Node, Role, as_dtype
 from alpa_lite.ir.op_rules import ELEMENTWISE, dim_labels
-from alpa_lite.ir.tracing import TracedStep
+from alpa_lite.ir.tracing import TracedStep, sub_jaxprs
 
 # What a tensor is to the batch (see the module docstring).
 IND = "independent"      # same value in both traces (params, constants, their functions)
@@ -78,17 +79,12 @@ def _body_literals(params) -> list:
     the random numbers they draw (a draw that grows with the batch differs per
     micro-batch)."""
     found = []
-    for v in params.values():
-        for item in (v if isinstance(v, (tuple, list)) else (v,)):
-            jaxpr = getattr(item, "jaxpr", None)
-            if jaxpr is None or not hasattr(jaxpr, "eqns"):
-                continue
-            for e in jaxpr.eqns:
-                found += [repr(getattr(a, "val", None)) for a in e.invars
-                          if type(a).__name__ == "Literal"]
-                if e.primitive.name in _RANDOM_DRAWS:
-                    found.append(repr([v.aval.shape for v in e.outvars]))
-                found += _body_literals(e.params)
+    for jaxpr in sub_jaxprs(params):
+        for e in jaxpr.eqns:
+            found += [repr(a.val) for a in e.invars if isinstance(a, jex.Literal)]
+            if e.primitive.name in _RANDOM_DRAWS:
+                found.append(repr([v.aval.shape for v in e.outvars]))
+            found += _body_literals(e.params)
     return found
 
 
@@ -101,8 +97,16 @@ def _eps(value: np.ndarray) -> float:
 
 
 def check_microbatching(micro: TracedStep, full: TracedStep, num_micro_batches: int) -> float:
-    """The loss's scale (see `micro_batch_rules`)."""
-    return micro_batch_rules(micro, full, num_micro_batches)[0]
+    """The loss's scale alone (see `micro_batch_rules`; aux outputs are not examined)."""
+    m = _checked_count(num_micro_batches)
+    _check_structure(micro, full, m)
+    return 1.0 if m == 1 else _Checker(micro, full, m).run(full.graph.outputs[:1])
+
+
+def _checked_count(m) -> int:
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+        raise ValueError(f"num_micro_batches must be a positive int, got {m!r}")
+    return m
 
 
 def micro_batch_rules(micro: TracedStep, full: TracedStep, num_micro_batches: int,
@@ -135,9 +139,7 @@ def micro_batch_rules(micro: TracedStep, full: TracedStep, num_micro_batches: in
       PlanningError: where summing micro-batch results would not reproduce the full-batch
         loss exactly, naming the operator and what to do.
     """
-    m = num_micro_batches
-    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
-        raise ValueError(f"num_micro_batches must be a positive int, got {m!r}")
+    m = _checked_count(num_micro_batches)
     _check_structure(micro, full, m)
     running = dict(running or {})
     n_aux = len(full.graph.outputs) - 1
@@ -145,7 +147,7 @@ def micro_batch_rules(micro: TracedStep, full: TracedStep, num_micro_batches: in
         return 1.0, tuple(AuxRule(Combine.LAST, updates=running[k]) if k in running
                           else AuxRule(Combine.SAME) for k in range(n_aux))
     checker = _Checker(micro, full, m, statistics_per_micro_batch)
-    scale = checker.run()
+    scale = checker.run(full.graph.outputs)
     return scale, tuple(AuxRule(Combine.LAST, updates=running[k]) if k in running
                         else checker.aux_rule(t, k + 1)
                         for k, t in enumerate(full.graph.outputs[1:]))
@@ -288,9 +290,10 @@ class _Checker:
 
     # -- the pass ---------------------------------------------------------------------------
 
-    def run(self) -> float:
+    def run(self, outputs) -> float:
+        """Classifies what `outputs` (the loss first) depend on; returns the loss's scale."""
         loss = self.gf.outputs[0]
-        needed = set(self.gf.outputs)
+        needed = set(outputs)
         nodes = []
         for node in reversed(self.gf.nodes):      # only what the loss depends on
             if any(t in needed for t in node.outputs):

@@ -247,24 +247,24 @@ _MATRIX_WORK = frozenset({"dot_general", "conv_general_dilated"})
 def unrolls(params: Mapping[str, Any]) -> bool:
     """Whether tracing unrolls a scan with these parameters."""
     return (1 <= params["length"] <= MAX_UNROLLED_ITERATIONS
-            and _does_matrix_work(params["jaxpr"]))
+            and _does_matrix_work(params["jaxpr"].jaxpr))
 
 
-def _does_matrix_work(body) -> bool:
-    jaxpr = body.jaxpr if isinstance(body, jex.ClosedJaxpr) else body
-    for e in jaxpr.eqns:
-        if e.primitive.name in _MATRIX_WORK:
-            return True
-        if any(_does_matrix_work(sub) for sub in _sub_jaxprs(e.params)):
-            return True
-    return False
+def _does_matrix_work(jaxpr) -> bool:
+    return any(e.primitive.name in _MATRIX_WORK or
+               any(_does_matrix_work(sub) for sub in sub_jaxprs(e.params))
+               for e in jaxpr.eqns)
 
 
-def _sub_jaxprs(params: Mapping[str, Any]) -> list:
+def sub_jaxprs(params: Mapping[str, Any]) -> list:
+    """The jaxprs an equation's parameters hold (loop and branch bodies, called functions),
+    unwrapped from their `ClosedJaxpr`s."""
     found = []
     for v in params.values():
         for item in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(item, (jex.ClosedJaxpr, jex.Jaxpr)):
+            if isinstance(item, jex.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, jex.Jaxpr):
                 found.append(item)
     return found
 
