@@ -12,6 +12,7 @@ from alpa_lite.api import ParallelizedStep as ParallelizedStep
 from alpa_lite.api import parallelize as parallelize
 from alpa_lite.cost_models.cluster import Cluster as Cluster
 from alpa_lite.errors import CheckpointMismatchError as CheckpointMismatchError
+from alpa_lite.errors import MemoryBudgetError as MemoryBudgetError
 from alpa_lite.errors import NonFiniteGradientError as NonFiniteGradientError
 from alpa_lite.errors import PlanMismatchError as PlanMismatchError
 from alpa_lite.errors import PlanningError as PlanningError
@@ -29,6 +30,7 @@ from alpa_lite.tools.compare import compare as compare
 
 __all__ = [
     "Auto", "CheckpointMismatchError", "Cluster", "CompareRow", "DataParallel", "Manual",
+    "MemoryBudgetError",
     "NonFiniteGradientError", "ParallelizedStep", "Plan", "PlanMismatchError", "PlanningError",
     "checkpoint", "compare", "distributed", "grad", "mark_layer_boundary", "parallelize",
     "value_and_grad",

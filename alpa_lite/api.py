@@ -11,8 +11,10 @@ Planning and compilation are cached per argument signature and cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -20,11 +22,14 @@ import jax
 from alpa_lite import compression as C
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import PlanMismatchError, PlanningError
+from alpa_lite.ir.batch import batch_size
 from alpa_lite.ir.graph import Role
 from alpa_lite.ir.step_parts import StepParts, split_step
 from alpa_lite.ir.tracing import TracedStep, trace
 from alpa_lite.plan import Plan
-from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method
+from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, method_to_json
+from alpa_lite.planning.auto_search import SearchSpace, search_auto
+from alpa_lite.planning.cache import cache_key, load_plan, save_plan
 from alpa_lite.planning.compression import make_compressed_plan
 from alpa_lite.planning.pipeline import make_pipeline_plan
 from alpa_lite.planning.spmd import make_plan, replace_stats
@@ -102,12 +107,14 @@ class ParallelizedStep:
             return m.num_micro_batches
         return None
 
-    def parts(self, *args) -> StepParts:
-        """The step split for pipelining (loss function per micro-batch, apply part)."""
-        key = (self._signature(args), self._micro_batches())
+    def parts(self, *args, num_micro_batches: int | None = None) -> StepParts:
+        """The step split for pipelining (loss function per micro-batch, apply part), into
+        `num_micro_batches` (default: the method's or the fixed plan's)."""
+        m = num_micro_batches or self._micro_batches()
+        key = (self._signature(args), m)
         if key not in self._parts:
             self._parts[key] = split_step(self.fn, args, self.resolve_batch_argnums(len(args)),
-                                          self._micro_batches())
+                                          m)
         return self._parts[key]
 
     def plan(self, *args, cluster: Cluster | None = None,
@@ -131,15 +138,28 @@ class ParallelizedStep:
         if key not in self._plans:
             # With several processes, process 0 plans and the others run its plan: a
             # solver's time limit must not let the processes disagree.
+            disk = cache_key("plan", traced.fingerprint, traced.input_avals,
+                             cluster.fingerprint(), method_to_json(self.method),
+                             repr(self.compression), self.resolve_batch_argnums(len(args)))
             plan = share_from_first(
-                lambda: self._make_plan(args, traced, cluster, pipelined, progress),
+                lambda: self._cached_plan(disk, args, traced, cluster, pipelined, progress),
                 errors=(PlanningError,), encode=Plan.to_json, decode=Plan.from_json)
             self._plans[key] = replace_stats(plan, trace_s=trace_s)
         return self._plans[key]
 
+    def _cached_plan(self, disk: str, args, traced: TracedStep, cluster: Cluster,
+                     pipelined: bool, progress: Progress | None) -> Plan:
+        """The plan from the disk cache (`planning.cache`), else made and stored there."""
+        plan = load_plan(disk)
+        if plan is not None:
+            return replace_stats(plan, plan_cache_hit=True)
+        plan = self._make_plan(args, traced, cluster, pipelined, progress)
+        save_plan(disk, plan)
+        return plan
+
     def _make_plan(self, args, traced: TracedStep, cluster: Cluster, pipelined: bool,
                    progress: Progress | None) -> Plan:
-        names = {t.id: t.name for t in traced.graph.tensors if t.role is not Role.ACTIVATION}
+        names = outer_names_of(traced)
         if self.compression is not None:
             if pipelined:
                 # Compressed exchange runs on a data-parallel plan only (for now): refuse
@@ -167,11 +187,37 @@ class ParallelizedStep:
                     "compression, or draw per example (jax.random.fold_in(key, index))")
             return make_compressed_plan(traced, self.method, cluster, self.compression,
                                         workers.loss_scale, names)
-        if pipelined:
+        if pipelined and not isinstance(self.method, Auto):
             return make_pipeline_plan(self.parts(*args), self.method, cluster,
                                       traced.fingerprint, traced.input_avals, names,
                                       progress=progress)
-        return make_plan(traced, self.method, cluster, tensor_names=names, progress=progress)
+        if not isinstance(self.method, Auto):
+            return make_plan(traced, self.method, cluster, tensor_names=names, progress=progress)
+
+        def pipelined_plan(m: int) -> Plan:
+            parts = self.parts(*args, num_micro_batches=m)
+            outer = parts.outer
+            return make_pipeline_plan(parts, dataclasses.replace(self.method,
+                                                                 num_micro_batches=m),
+                                      cluster, outer.fingerprint, outer.input_avals,
+                                      outer_names_of(outer), progress=progress)
+
+        def textbook_plan(manual: Manual) -> Plan:
+            parts = self.parts(*args, num_micro_batches=manual.num_micro_batches)
+            outer = parts.outer
+            with warnings.catch_warnings():   # over budget is the search's to judge
+                warnings.simplefilter("ignore")
+                return make_pipeline_plan(parts, manual, cluster, outer.fingerprint,
+                                          outer.input_avals, outer_names_of(outer),
+                                          progress=progress)
+
+        space = SearchSpace(
+            plan_single=lambda: make_plan(traced, self.method, cluster, tensor_names=names,
+                                          progress=progress),
+            plan_pipelined=pipelined_plan, plan_textbook=textbook_plan,
+            num_devices=cluster.num_devices, devices_per_node=cluster.devices_per_node,
+            budget_bytes=self.method.memory_budget_bytes or cluster.device.memory_bytes)
+        return search_auto(self.method, _batch_size(traced), space, progress)
 
     def compile(self, *args) -> Executable:
         """Plans (once per signature) and compiles the step for these arguments on the
@@ -201,7 +247,8 @@ class ParallelizedStep:
         common = dict(fn=self.fn, batch_argnums=nums, on_nonfinite=self.on_nonfinite,
                       compression_seed=self.compression_seed)
         if plan.pipeline is not None:
-            return StepProgram(parts=self.parts(*args), **common)
+            return StepProgram(parts=self.parts(
+                *args, num_micro_batches=plan.pipeline.num_micro_batches), **common)
         return StepProgram(traced=self.trace(*args), **common)
 
     def input_shardings(self, *args):
@@ -312,6 +359,21 @@ def parallelize(fn: Callable | None = None, *, method: Method | None = None,
         return ParallelizedStep(f, method, cluster, batch_argnums, compression=compression,
                                 on_nonfinite=on_nonfinite, compression_seed=compression_seed)
     return wrap if fn is None else wrap(fn)
+
+
+def outer_names_of(traced: TracedStep) -> dict[int, str]:
+    """The step's names for its inputs and outputs (tensor id -> name)."""
+    return {t.id: t.name for t in traced.graph.tensors if t.role is not Role.ACTIVATION}
+
+
+def _batch_size(traced: TracedStep) -> int | None:
+    """The step's batch size, None where it has no batch (or its leaves disagree: the
+    pipeline planner names them when it is asked to split the batch)."""
+    try:
+        return batch_size({t.name: t.shape
+                           for t in traced.graph.tensors_with_role(Role.BATCH)})
+    except PlanningError:
+        return None
 
 
 def _compression_setting(compression):

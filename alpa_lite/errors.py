@@ -5,6 +5,15 @@ class PlanningError(ValueError):
     """No plan satisfies the request (memory budget, mesh shape, divisibility)."""
 
 
+class MemoryBudgetError(PlanningError):
+    """No plan fits the per-device memory budget; `peak_bytes` is the smallest peak the
+    planner reached (per device), so a caller can say how far off the request is."""
+
+    def __init__(self, message: str, peak_bytes: float):
+        super().__init__(message)
+        self.peak_bytes = peak_bytes
+
+
 class PlanMismatchError(ValueError):
     """A plan was used with a different cluster, program or argument shapes."""
 

@@ -8,6 +8,8 @@ order a plan goes through them:
     CLUSTER  cutting the loss function into layers (pipelined plans; 1 unit)
     ILPS     intra-op problems solved; `total` grows as the search queues more of them
     DP       the inter-op stage DP (Auto pipelines; 1 unit)
+    SEARCH   whole plans weighed by `Auto()` (single stage, pipelines per micro-batch
+             count); `total` is 0: the search decides as it goes how many it plans
 
 The callback may be called from the planner's solver threads; it must be quick and
 thread-safe (rich's progress display is). Planning does the same with or without one.
@@ -24,6 +26,7 @@ TRACE = "trace"
 CLUSTER = "cluster layers"
 ILPS = "intra-op ILPs"
 DP = "stage DP"
+SEARCH = "plans weighed"
 
 
 def report(progress: Progress | None, phase: str, done: int, total: int) -> None:

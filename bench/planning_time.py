@@ -1,200 +1,226 @@
-"""How long `step.plan(...)` takes: trace, build the sharding problem, solve it.
+"""How long `step.plan(...)` takes with `al.Auto()` and nothing set, per model x cluster.
 
-Every timing is the whole `step.plan(*abstract_args, cluster=...)` call, measured with
-`time.perf_counter` around it, on a fresh train step and a fresh `al.parallelize` object each
-time, so no trace or plan is reused. The arguments are `jax.ShapeDtypeStruct`s: nothing is
-allocated and nothing runs; the cluster is a preset, not the local devices.
+Every timing is one whole `step.plan(*abstract_args, cluster=...)` call in a fresh
+process (a fresh `al.parallelize`, nothing reused in memory), with the disk cache off
+("cold") or warm from the run before ("warm": the second plan of the same step). The
+arguments are `jax.ShapeDtypeStruct`s: nothing is allocated and nothing runs; the clusters
+are presets or `Cluster.of_gpus`, not the local devices. Each case runs under a time limit
+(--limit, default 600 s); a case over it is reported as such.
 
-The headline case is GPT-1.3B (24 layers) at batch 8 on 8xH100 with `al.Auto()`. The named
-configs keep their bfloat16 parameters; the batch sizes are explicit because the examples'
-defaults are Alpa's global batches (1024), too large for one stage without micro-batches.
-
-A burn-in plans the tiny GPT once (untimed) so that imports and JAX's own caches are warm;
-then each case is planned --repeats times and the run with the median wall time is reported.
+Per case: the median wall time of --repeats cold plans (and their spread), the phases of
+the median run (trace; intra-op ILP build and solve, summed over the solver threads; stage
+DP), the intra-op problems solved, those answered by an identical layer's solve, those read
+from the disk cache, the whole plans `Auto()` weighed, the plan chosen and its estimated
+step, a warm plan's wall time, and where asked (--exhaustive, ladders up to 16 GPUs) the
+estimated step of `Auto(exhaustive=True)`: every micro-batch count, every layer solved on
+its own, nothing pruned.
 
 Run:
-    python bench/planning_time.py            # 6 cases x 3 repeats; ~2 min on 2 cores
-    python bench/planning_time.py --quick    # GPT-350M only
-Writes bench/results/planning_time.json (``--out`` to change).
+    python bench/planning_time.py --cases gpt-1.3b gpt-39b          # the headline cases
+    python bench/planning_time.py --ladder gpt --exhaustive         # a ladder, with checks
+    python bench/planning_time.py --quick                           # GPT-1.3B only
+Writes bench/results/planning_time.json (--out to change).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-_common.use_examples()
-
-import gpt  # noqa: E402
-import jax  # noqa: E402
-import moe  # noqa: E402
-import optax  # noqa: E402
-import wide_resnet  # noqa: E402
-
-import alpa_lite as al  # noqa: E402
-
 # Knobs -----------------------------------------------------------------------------------
-# (label, example module, size key, batch size, cluster preset, method)
-CASES = (
-    ("GPT-1.3B", gpt, "1.3B", 8, "8xH100", "auto"),   # the headline case
-    ("GPT-350M", gpt, "350M", 8, "8xH100", "auto"),
-    ("GPT-2.6B", gpt, "2.6B", 8, "8xH100", "auto"),
-    ("MoE-380M", moe, "380M", 8, "8xH100", "auto"),
-    ("WResNet-250M", wide_resnet, "250M", 32, "8xH100", "auto"),
-    ("GPT-1.3B", gpt, "1.3B", 8, "8xH100", "manual-2x4"),
-)
-QUICK_CASES = ("GPT-350M",)           # --quick keeps only these labels (Auto)
-HEADLINE = ("GPT-1.3B", "auto")
-HEADLINE_TARGET_S = 20.0              # headline goal on a 2-core machine (not asserted)
-REPEATS = 3                           # plans per case; the median run is reported
-LEARNING_RATE = 1e-3                  # optax.adamw; only the optimizer-state shapes matter here
-BURN_IN = (gpt, "tiny", 4, "8xH100")  # planned once, untimed, before the cases
+# name -> (example module, size, global batch, cluster, float16 on V100s, target s)
+CASES = {
+    "gpt-1.3b": ("gpt", "1.3B", 8, "8xH100", 5.0),
+    "gpt-39b": ("gpt", "39B", 1024, "V100:64", 10.0),         # Alpa's 39B on 64 V100s
+    "gpt-175b": ("gpt", "175B", 1536, "A100:1024", 60.0),     # Megatron's 175B, 1024 A100s
+    "gpt-1t": ("gpt", "1T", 3072, "A100:3072", 120.0),        # Megatron's 1T, 3072 A100s
+}
+# The Alpa paper's weak-scaling ladders (OSDI 2022, Table 4), on V100 nodes of 8.
+LADDERS = {
+    "gpt": [("350M", 1), ("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32), ("39B", 64)],
+    "moe": [("380M", 1), ("690M", 2), ("1.3B", 4), ("2.4B", 8), ("10B", 16), ("27B", 32),
+            ("70B", 64)],
+    "wide_resnet": [("250M", 1), ("500M", 2), ("1B", 4), ("2B", 8), ("4B", 16),
+                    ("6.8B", 32), ("13B", 64)],
+}
+LADDER_BATCH = {"gpt": 1024, "moe": 1024, "wide_resnet": 1536}   # Alpa's global batches
+LADDER_TARGET_S = 60.0          # each ladder in total
+EXHAUSTIVE_MAX_GPUS = 16
+REPEATS = 3
+LIMIT_S = 600
 # -----------------------------------------------------------------------------------------
 
-METHODS = {
-    "auto": ("Auto", lambda: al.Auto()),
-    "manual-2x4": ("Manual(dp=2, tp=4)", lambda: al.Manual(dp=2, tp=4)),
-}
+
+def cluster_for(spec: str):
+    """A preset name, or "KIND:GPUS": that many GPUs in nodes of 8 (fewer: one node)."""
+    import alpa_lite as al
+    if ":" not in spec:
+        return al.Cluster.preset(spec)
+    kind, gpus = spec.split(":")
+    gpus = int(gpus)
+    if gpus <= 8:
+        return al.Cluster.of_gpus(kind, num_nodes=1, devices_per_node=gpus)
+    return al.Cluster.of_gpus(kind, num_nodes=gpus // 8)
 
 
-def plan_once(module, cfg, batch_size: int, tx, cluster, method_key: str):
-    """(wall seconds, plan) of one `step.plan` call on a fresh parallelized step."""
-    args = module.abstract_args(cfg, batch_size, tx)
-    step = al.parallelize(module.make_train_step(cfg, tx), method=METHODS[method_key][1]())
+def worker(spec: dict) -> dict:
+    """One plan in this process: what the parent prints."""
+    _common.use_examples()
+    import importlib
+
+    import optax
+
+    import alpa_lite as al
+    mod = importlib.import_module(spec["module"])
+    cfg = mod.CONFIGS[spec["size"]]
+    cluster = cluster_for(spec["cluster"])
+    if cluster.device.name.startswith("V100"):   # V100s have no bfloat16 (Alpa used fp16)
+        cfg = dataclasses.replace(cfg, dtype="float16")
+    tx = optax.adamw(1e-4)
+    step = al.parallelize(mod.make_train_step(cfg, tx),
+                          method=al.Auto(exhaustive=spec.get("exhaustive", False)))
+    args = mod.abstract_args(cfg, spec["batch"], tx)
     t0 = time.perf_counter()
-    plan = step.plan(*args, cluster=cluster)
-    return time.perf_counter() - t0, plan
-
-
-def count_params(module, cfg) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(module.abstract_params(cfg)))
-
-
-def plan_record(plan) -> dict:
+    try:
+        plan = step.plan(*args, cluster=cluster)
+    except al.PlanningError as e:
+        return {"wall_s": time.perf_counter() - t0, "error": " ".join(str(e).split())[:400]}
+    wall = time.perf_counter() - t0
     s = plan.stats
-    return {
-        "trace_s": round(s.trace_s, 3), "build_s": round(s.build_s, 3),
-        "solve_s": round(s.solve_s, 3),
-        "nodes_before_merge": s.nodes_before_merge, "groups_after_merge": s.nodes_after_merge,
-        "ilp_nodes": s.ilp_nodes, "ilp_variables": s.ilp_variables,
-        "ilp_constraints": s.ilp_constraints,
-        "candidates": [{"mesh_shape": m, "est_step_ms": round(t * 1e3, 3)}
-                       for m, t in s.candidates],
-        "num_stages": len(plan.stages),
-        "mesh_shape": list(plan.stages[0].mesh_shape),
-        "est_step_ms": round(plan.step_time_s * 1e3, 3),
-        "est_compute_ms": round(plan.compute_s * 1e3, 3),
-        "est_comm_ms": round(plan.comm_s * 1e3, 3),
-        "peak_memory_gib": round(plan.peak_memory_bytes / 2**30, 3),
-    }
+    return {"wall_s": wall, "trace_s": s.trace_s, "build_s": s.build_s, "solve_s": s.solve_s,
+            "dp_s": s.dp_s, "layer_ilps": s.layer_ilps, "reused": s.layer_ilps_reused,
+            "cache_hits": s.layer_cache_hits, "plan_cache_hit": s.plan_cache_hit,
+            "plans_weighed": s.plans_weighed, "est_step_s": plan.step_time_s,
+            "stages": len(plan.stages),
+            "micro_batches": plan.pipeline.num_micro_batches if plan.pipeline else 1,
+            "meshes": [list(st.mesh_shape) for st in plan.stages],
+            "remat": [st.remat for st in plan.stages],
+            "peak_gib": plan.peak_memory_bytes / 2**30,
+            "budget_gib": cluster.device.memory_bytes / 2**30}
 
 
-def run_case(label, module, size, batch_size, cluster_name, method_key, tx, repeats) -> dict:
-    cfg = module.CONFIGS[size]
-    cluster = al.Cluster.preset(cluster_name)
-    runs = []
+def run(spec: dict, limit_s: float, cache: str | None) -> dict:
+    """`worker(spec)` in a fresh process under `limit_s`; cache: None (off) or a folder."""
+    env = os.environ | {"ALPA_LITE_CACHE": "off" if cache is None else "on"}
+    if cache is not None:
+        env["ALPA_LITE_CACHE_DIR"] = cache
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
+                             capture_output=True, text=True, env=env, timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        return {"wall_s": time.perf_counter() - t0, "error": f"over the {limit_s:.0f} s limit"}
+    if out.returncode != 0:
+        return {"wall_s": time.perf_counter() - t0, "error": out.stderr.strip()[-400:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(label: str, spec: dict, repeats: int, limit_s: float, exhaustive: bool) -> dict:
+    cold = []
     for _ in range(repeats):
-        wall_s, plan = plan_once(module, cfg, batch_size, tx, cluster, method_key)
-        runs.append({"wall_s": round(wall_s, 3), **plan_record(plan)})
-    walls = [r["wall_s"] for r in runs]
-    median_run = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]
-    print(f"  done: {label} {METHODS[method_key][0]} on {cluster_name} "
-          f"({', '.join(f'{w:.2f}' for w in walls)} s)", file=sys.stderr, flush=True)
-    return {
-        "model": label, "size": size, "example": Path(module.__file__).stem,
-        "params": count_params(module, cfg), "dtype": cfg.dtype, "batch_size": batch_size,
-        "num_layers": getattr(cfg, "num_layers", None),
-        "cluster": cluster_name, "method": METHODS[method_key][0],
-        "wall_s_median": round(statistics.median(walls), 3),
-        "wall_s_min": min(walls), "wall_s_max": max(walls), "wall_s_runs": walls,
-        "reported_run": median_run,   # the run with the median wall time
-        "runs": runs,
-    }
+        r = run(spec, limit_s, None)
+        cold.append(r)
+        print(f"  {label}: cold {r['wall_s']:.1f} s {r.get('error', '')[:100]}",
+              file=sys.stderr, flush=True)
+        if "error" in r:
+            break
+    median = sorted(cold, key=lambda r: r["wall_s"])[(len(cold) - 1) // 2]
+    row = {"case": label, **spec, "cold_runs_s": [round(r["wall_s"], 2) for r in cold],
+           "cold_median_s": statistics.median(r["wall_s"] for r in cold), "median_run": median}
+    if "error" not in median:
+        with tempfile.TemporaryDirectory() as folder:
+            run(spec, limit_s, folder)                  # fills the cache
+            row["warm"] = run(spec, limit_s, folder)    # the second plan of the same step
+        if exhaustive:
+            row["exhaustive"] = run(spec | {"exhaustive": True}, limit_s, None)
+    return row
 
 
-def print_results(rows: list[dict], repeats: int) -> None:
-    columns = [("model", "left"), ("dtype", "left"), ("batch", "right"), ("cluster", "left"),
-               ("method", "left"), ("wall s", "right"), ("trace s", "right"),
-               ("build s", "right"), ("solve s", "right"), ("nodes before merge", "right"),
-               ("groups after merge", "right"), ("ILP nodes (tied)", "right"),
-               ("ILP vars", "right"), ("constraints", "right"), ("mesh", "left"),
-               ("est. step ms", "right"), ("peak GiB", "right")]
-    table_rows = []
+def table(rows: list[dict]) -> None:
+    cols = [("case", "left"), ("cluster", "left"), ("cold s (median)", "right"),
+            ("runs", "right"), ("trace/build/solve/DP s", "right"),
+            ("ILPs solved/reused", "right"), ("plans", "right"), ("plan", "left"),
+            ("est. step s", "right"), ("peak/budget GiB", "right"), ("warm s", "right"),
+            ("exhaustive est. s", "right"), ("target s", "right")]
+    out = []
     for r in rows:
-        p = r["reported_run"]
-        table_rows.append([
-            r["model"], r["dtype"], str(r["batch_size"]), r["cluster"], r["method"],
-            f"{r['wall_s_median']:.2f}", f"{p['trace_s']:.2f}", f"{p['build_s']:.2f}",
-            f"{p['solve_s']:.2f}", str(p["nodes_before_merge"]), str(p["groups_after_merge"]),
-            str(p["ilp_nodes"]), str(p["ilp_variables"]), str(p["ilp_constraints"]),
-            "x".join(map(str, p["mesh_shape"])), f"{p['est_step_ms']:.1f}",
-            f"{p['peak_memory_gib']:.2f}"])
-    caption = (f"wall s: median of {repeats} step.plan calls (fresh al.parallelize each); "
-               "trace/build/solve and the rest are from that median run. "
-               "ILP nodes: after tying repeated layers.")
-    _common.print_table("Planning time (step.plan, abstract arguments)", columns, table_rows,
-                        caption)
+        m = r["median_run"]
+        if "error" in m:
+            out.append([r["case"], r["cluster"], f"{r['cold_median_s']:.1f}", "", "", "", "",
+                        m["error"][:60], "", "", "", "", f"{r['target_s']:.0f}"])
+            continue
+        ex = r.get("exhaustive")
+        warm = r.get("warm", {})
+        out.append([
+            r["case"], r["cluster"], f"{r['cold_median_s']:.1f}",
+            " ".join(f"{x:.1f}" for x in r["cold_runs_s"]),
+            f"{m['trace_s']:.1f}/{m['build_s']:.1f}/{m['solve_s']:.1f}/{m['dp_s']:.1f}",
+            f"{m['layer_ilps']}/{m['reused']}", str(m["plans_weighed"]),
+            f"{m['stages']} st x m={m['micro_batches']}",
+            f"{m['est_step_s']:.4g}", f"{m['peak_gib']:.1f}/{m['budget_gib']:.1f}",
+            f"{warm['wall_s']:.1f}{' hit' if warm.get('plan_cache_hit') else ''}"
+            if "wall_s" in warm else "-",
+            "-" if ex is None else ex.get("error", f"{ex.get('est_step_s', 0):.4g}")[:30],
+            f"{r['target_s']:.0f}"])
+    _common.print_table("Planning time, Auto() with nothing set (2-core CPU machine)", cols, out,
+                        "build and solve are summed over the solver threads; warm: the same "
+                        "plan again with the disk cache of the run before")
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_CASES)}")
-    parser.add_argument("--repeats", type=int, default=REPEATS,
-                        help="plans per case; the median is reported (default: %(default)s)")
-    parser.add_argument("--out", type=Path,
-                        default=_common.RESULTS_DIR / "planning_time.json")
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    cases = [c for c in CASES if not args.quick or (c[0] in QUICK_CASES and c[5] == "auto")]
-    tx = optax.adamw(LEARNING_RATE)
-
-    started = time.perf_counter()
-    module, size, batch_size, cluster_name = BURN_IN
-    burn_in_s, _ = plan_once(module, module.CONFIGS[size], batch_size, tx,
-                             al.Cluster.preset(cluster_name), "auto")
-    print(f"  burn-in: GPT-{size} on {cluster_name} ({burn_in_s:.2f} s, not reported)",
-          file=sys.stderr, flush=True)
-    rows = [run_case(*case, tx, args.repeats) for case in cases]
-    print_results(rows, args.repeats)
-
-    headline = next((r for r in rows if (r["model"], r["method"]) ==
-                     (HEADLINE[0], METHODS[HEADLINE[1]][0])), None)
-    if headline is not None:
-        print(f"headline {headline['model']} ({headline['num_layers']} layers) batch "
-              f"{headline['batch_size']} on {headline['cluster']}, {headline['method']}: "
-              f"{headline['wall_s_median']:.2f} s median (target < {HEADLINE_TARGET_S:.0f} s "
-              f"on {os.cpu_count()} cores)")
-
-    result = {
-        "benchmark": "planning_time",
-        "date": _common.now_utc(),
-        "command": _common.command_line(),
-        "code": _common.CODE_AT_START,
-        "machine": {**_common.machine(), "highspy": _common.package_version("highspy"),
-                    "pulp": _common.package_version("pulp")},
-        "settings": {"repeats": args.repeats, "quick": args.quick,
-                     "optimizer": f"optax.adamw({LEARNING_RATE})",
-                     "arguments": "jax.ShapeDtypeStruct (abstract; nothing allocated)",
-                     "timed": "whole step.plan(...) call, time.perf_counter, fresh "
-                              "al.parallelize object and train step per run",
-                     "burn_in": f"one untimed plan of GPT-{size} batch {batch_size} on "
-                                f"{cluster_name} ({burn_in_s:.3f} s)",
-                     "headline": {"model": HEADLINE[0], "method": METHODS[HEADLINE[1]][0],
-                                  "target_s": HEADLINE_TARGET_S}},
-        "cases": rows,
-        "wall_time_s": round(time.perf_counter() - started, 1),
-    }
-    _common.write_result(args.out, result)
-    print(f"wrote {args.out} ({result['wall_time_s']} s)")
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--cases", nargs="*", default=[], choices=sorted(CASES))
+    ap.add_argument("--ladder", nargs="*", default=[], choices=sorted(LADDERS))
+    ap.add_argument("--quick", action="store_true", help="GPT-1.3B only")
+    ap.add_argument("--exhaustive", action="store_true",
+                    help=f"also Auto(exhaustive=True) on ladder rungs up to "
+                         f"{EXHAUSTIVE_MAX_GPUS} GPUs")
+    ap.add_argument("--repeats", type=int, default=REPEATS)
+    ap.add_argument("--limit", type=float, default=LIMIT_S, help="seconds per plan")
+    ap.add_argument("--out", type=Path, default=_common.RESULTS_DIR / "planning_time.json")
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    cases = ["gpt-1.3b"] if args.quick else args.cases
+    if not cases and not args.ladder:
+        cases = ["gpt-1.3b", "gpt-39b"]
+    rows = []
+    for name in cases:
+        module, size, batch, cluster, target = CASES[name]
+        spec = {"module": module, "size": size, "batch": batch, "cluster": cluster}
+        rows.append(measure(name, spec, args.repeats, args.limit, False) | {"target_s": target})
+    ladders = {}
+    for name in args.ladder:
+        rungs = []
+        for size, gpus in LADDERS[name]:
+            spec = {"module": name, "size": size, "batch": LADDER_BATCH[name],
+                    "cluster": f"V100:{gpus}"}
+            rungs.append(measure(f"{name}-{size}/{gpus}", spec, args.repeats, args.limit,
+                                 args.exhaustive and gpus <= EXHAUSTIVE_MAX_GPUS)
+                         | {"target_s": LADDER_TARGET_S})
+        total = sum(r["cold_median_s"] for r in rungs)
+        ladders[name] = {"total_cold_median_s": total, "target_s": LADDER_TARGET_S}
+        print(f"{name} ladder: {total:.1f} s in total (target {LADDER_TARGET_S:.0f} s)")
+        rows.extend(rungs)
+    table(rows)
+    _common.write_result(args.out, {
+        "benchmark": "planning_time", "command": _common.command_line(),
+        "date": _common.now_utc(), "machine": _common.machine(), "code": _common.CODE_AT_START,
+        "repeats": args.repeats, "limit_s": args.limit, "rows": rows, "ladders": ladders})
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ METHODS = {
     "dp": lambda: al.DataParallel(),
     # tp inside a process (4 devices each), dp across the two processes.
     "tp": lambda: al.Manual(dp=2, tp=4),
-    "auto": lambda: al.Auto(),
+    "auto": lambda: al.Auto(pipeline=False),
     # Two stages of 4 devices: one per process.
     "pp": lambda: al.Manual(dp=4, tp=1, pp=2, num_micro_batches=2),
     # Exact compressed exchange: hierarchical, the method over the node (process) axis.

@@ -142,7 +142,9 @@ def test_builtin_plan_show_explain(workdir):
     png = (workdir / "gpt.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     rc, out, err = run("explain", "gpt.json", cwd=workdir, check_rc=0)
-    assert "whole pipelines under the stage DP's cost" in out and "* " in out
+    assert "whole plans Auto weighed" in out and "choices" in out and "* " in out
+    if {c.what: c.value for c in plan.choices}["stages"] == "stage DP":
+        assert "whole pipelines under the stage DP's cost" in out
     rc, out, err = run("explain", "gpt.json", "--op", "params/wte", "--stage", "0",
                        cwd=workdir, check_rc=0)
     assert "chosen:" in out and "stage objective" in out
@@ -257,7 +259,8 @@ def _tiny_plans():
         _PLANS["manual"] = al.parallelize(target.step_fn, method=al.Manual(
             dp=1, tp=2, pp=4, num_micro_batches=8, remat=True)).plan(*target.args,
                                                                       cluster=cluster)
-        _PLANS["single"] = al.parallelize(target.step_fn).plan(*target.args, cluster=cluster)
+        _PLANS["single"] = al.parallelize(target.step_fn, method=al.Auto(pipeline=False)).plan(
+            *target.args, cluster=cluster)
         _PLANS["target"] = target
     return _PLANS
 
@@ -265,7 +268,8 @@ def _tiny_plans():
 def test_progress_reports_every_phase_in_order():
     events = _tiny_plans()["events"]
     order = list(dict.fromkeys(e[0] for e in events))
-    assert order == [progress.TRACE, progress.CLUSTER, progress.ILPS, progress.DP]
+    assert order == [progress.TRACE, progress.CLUSTER, progress.ILPS, progress.DP,
+                     progress.SEARCH]
     ilps = [e for e in events if e[0] == progress.ILPS]
     assert all(0 <= done <= total for _, done, total in ilps)
     assert ilps[-1][1] == ilps[-1][2] > 0       # every queued problem was solved
@@ -284,14 +288,20 @@ def test_breakdown_reproduces_the_estimate_and_json_keeps_the_explanation():
     for st in b.stages:
         assert st.busy_s + st.idle_s == pytest.approx(b.pipeline_s)
         assert st.recompute_s == st.forward_s > 0
-    kinds = {a.kind for a in plans["pipeline"].explanation.alternatives}
-    assert {"stages", "option", "mesh"} <= kinds
-    chosen = [a for a in plans["pipeline"].explanation.alternatives
-              if a.kind == "stages" and a.chosen]
-    assert len(chosen) == 1
-    others = [a.time_s for a in plans["pipeline"].explanation.alternatives
-              if a.kind == "stages" and not a.chosen and a.fits]
-    assert all(t >= chosen[0].time_s * (1 - 1e-9) for t in others)   # the DP is optimal
+    alts = plans["pipeline"].explanation.alternatives
+    kinds = {a.kind for a in alts}
+    # Auto weighed whole plans (the DP's pipeline, the Megatron layouts) and kept the
+    # fastest on the whole-step estimate.
+    weighed = [a for a in alts if a.kind == "plan"]
+    assert [a.chosen for a in weighed].count(True) == 1
+    assert min(a.time_s for a in weighed if a.fits) == \
+        pytest.approx(plans["pipeline"].step_time_s)
+    if {c.what: c.value for c in plans["pipeline"].choices}["stages"] == "stage DP":
+        assert {"stages", "option", "mesh"} <= kinds
+        chosen = [a for a in alts if a.kind == "stages" and a.chosen]
+        assert len(chosen) == 1
+        others = [a.time_s for a in alts if a.kind == "stages" and not a.chosen and a.fits]
+        assert all(t >= chosen[0].time_s * (1 - 1e-9) for t in others)   # the DP is optimal
     assert plans["manual"].explanation is None and '"explanation"' not in \
         plans["manual"].to_json()
 

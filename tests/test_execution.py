@@ -22,7 +22,7 @@ from alpa_lite.runtime.hlo import bytes_by_kind, collectives_in_hlo
 
 EXAMPLES = ["mlp", "gpt", "moe", "wide_resnet", "flax_mlp"]
 METHODS = {
-    "auto": al.Auto(),
+    "auto": al.Auto(pipeline=False),
     "dp": al.DataParallel(),
     "zero": al.DataParallel(shard_optimizer_state=True),
     "dp2_tp4": al.Manual(dp=2, tp=4),

@@ -67,7 +67,7 @@ def _args():
     return (v["params"], v["batch_stats"], TX.init(v["params"])), {"x": x, "y": y}
 
 
-@pytest.mark.parametrize("method", [al.DataParallel(), al.Auto(), al.Manual(dp=2, tp=4)],
+@pytest.mark.parametrize("method", [al.DataParallel(), al.Auto(pipeline=False), al.Manual(dp=2, tp=4)],
                          ids=["dp", "auto", "dp2_tp4"])
 def test_batch_norm_statistics_match_jit(method):
     state, batch = _args()

@@ -20,7 +20,7 @@ import library_models as lm
 
 PLANS = {
     "dp": al.DataParallel(),
-    "auto": al.Auto(),
+    "auto": al.Auto(pipeline=False),
     "dp2_tp4": al.Manual(dp=2, tp=4),
     "dp4_pp2_m2": al.Manual(dp=4, pp=2, num_micro_batches=2),
 }

@@ -25,7 +25,7 @@ def _by_kind(collectives) -> dict[str, int]:
 SPMD = {
     "dp": al.DataParallel(),
     "dp2_tp4": al.Manual(dp=2, tp=4),
-    "auto": al.Auto(),
+    "auto": al.Auto(pipeline=False),
 }
 
 

@@ -45,7 +45,7 @@ def _assert_same(out, ref):
 
 
 KEYS = {"typed": lambda: jax.random.key(7), "raw": lambda: jax.random.PRNGKey(7)}
-PLANS = {"dp": al.DataParallel(), "auto": al.Auto(), "dp2_tp4": al.Manual(dp=2, tp=4)}
+PLANS = {"dp": al.DataParallel(), "auto": al.Auto(pipeline=False), "dp2_tp4": al.Manual(dp=2, tp=4)}
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
@@ -137,7 +137,7 @@ def _key_step(p, s, x, key):
 def test_a_key_split_in_the_step_and_returned_carries_over_steps(kind):
     p, s, batch = _args(KEYS[kind]())
     key = batch["key"]
-    step = al.parallelize(_key_step, method=al.Auto(), batch_argnums=(2,))
+    step = al.parallelize(_key_step, method=al.Auto(pipeline=False), batch_argnums=(2,))
     out, ref = (p, s, None, key), (p, s, None, key)
     for _ in range(2):
         out = step(out[0], out[1], batch["x"], out[3])

@@ -188,7 +188,7 @@ def test_remat_alone_runs_as_one_recomputing_stage():
 def test_explain_shows_where_the_step_time_goes():
     from alpa_lite.tools.explain import stage_text
     step_fn, args = _mlp_step()
-    plan = al.parallelize(step_fn, method=al.Auto()).plan(
+    plan = al.parallelize(step_fn, method=al.Auto(pipeline=False)).plan(
         *args, cluster=al.Cluster.preset("8xA100"))
     text = stage_text(plan)
     assert "where the step time goes" in text

@@ -69,7 +69,7 @@ def _args():
     return params, opt_state, batch
 
 
-@pytest.mark.parametrize("method", [al.DataParallel(), al.Auto(), al.Manual(dp=2, tp=4),
+@pytest.mark.parametrize("method", [al.DataParallel(), al.Auto(pipeline=False), al.Manual(dp=2, tp=4),
                                     al.Manual(dp=4, pp=2, num_micro_batches=2)],
                          ids=["dp", "auto", "dp2_tp4", "dp4_pp2_m2"])
 def test_user_primitives_run_under_every_plan(method):

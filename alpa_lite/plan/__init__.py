@@ -10,6 +10,7 @@ from alpa_lite.plan.plan import (
                                  PLAN_FORMAT,
                                  Accumulation,
                                  Alternative,
+                                 Choice,
                                  CollectiveSummary,
                                  CompressionSpec,
                                  Explanation,
@@ -22,6 +23,6 @@ from alpa_lite.plan.plan import (
                                  SyncCollective,
 )
 
-__all__ = ["PLAN_FORMAT", "Accumulation", "Alternative", "CollectiveSummary",
+__all__ = ["PLAN_FORMAT", "Accumulation", "Alternative", "Choice", "CollectiveSummary",
            "CompressionSpec", "Explanation", "GradientSync", "InputPlacement", "PipelineSpec", "Plan",
            "PlanningStats", "StagePlan", "SyncCollective"]

@@ -27,14 +27,18 @@ def _check_pipeline_args(owner: str, num_micro_batches, schedule) -> None:
                                           or num_micro_batches < 1):
         raise ValueError(f"{owner}(num_micro_batches={num_micro_batches!r}): must be a "
                          "positive integer")
-    if schedule not in SCHEDULES:
+    if schedule not in SCHEDULES and not (owner == "Auto" and schedule is None):
         raise ValueError(f"{owner}(schedule={schedule!r}): unknown pipeline schedule; "
                          f"use one of {SCHEDULES}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Auto:
-    """Search logical mesh shapes and per-operator shardings.
+    """Let the planner choose: with nothing set, whether to pipeline, the micro-batches,
+    the schedule, the stages (layers, submeshes, logical meshes, remat each) or the single
+    stage's mesh, and every sharding, optimizer state included, by the cost model within
+    the memory budget. Each attribute set narrows that search; `Plan.choices` says what was
+    chosen, whether the user fixed it, and the runner-up it beat.
 
     Attributes:
       memory_budget_bytes: per-device memory limit; None means the cluster device's memory.
@@ -42,24 +46,32 @@ class Auto:
       time_limit_s: per ILP solve.
       mesh_shapes: logical mesh shapes to try; None means every 2-D factorisation.
         Single-stage plans only.
-      num_micro_batches: None plans one SPMD stage over all devices (intra-op only). A
-        number turns on the inter-op search too: the batch is split into this many
-        micro-batches and the stage DP chooses 1..N pipeline stages, their layers, their
-        submeshes and logical meshes, and whether each stage recomputes its activations.
-      schedule: the pipeline schedule, "1f1b" or "gpipe".
+      num_micro_batches: the batch is split into this many micro-batches and the stage DP
+        chooses 1..N pipeline stages, their layers, their submeshes and logical meshes,
+        and whether each stage recomputes its activations. None: chosen among the divisors
+        of the batch (`planning.auto_search`).
+      schedule: the pipeline schedule, "1f1b" or "gpipe"; None: chosen (GPipe only where
+        it is faster and still fits, since it holds every micro-batch's activations).
       num_layers: layers the loss function is clustered into for the stage DP (None:
         chosen automatically, or the `al.mark_layer_boundary` calls when present).
       max_stages: at most this many pipeline stages (None: no limit beyond layers and
         devices).
+      pipeline: None lets the planner weigh one SPMD stage over all devices against
+        pipelines; False plans the single stage only (intra-op only); True pipelines only.
+      exhaustive: plan every micro-batch count, and every layer on every mesh on its own
+        (no reuse of identical layers, nothing pruned). Slow; for checking that the fast
+        search loses nothing.
     """
     memory_budget_bytes: float | None = None
     solver: SolverChoice = SolverChoice.HIGHS
     time_limit_s: float = 60.0
     mesh_shapes: tuple[tuple[int, int], ...] | None = None
     num_micro_batches: int | None = None
-    schedule: str = "1f1b"
+    schedule: str | None = None
     num_layers: int | None = None
     max_stages: int | None = None
+    pipeline: bool | None = None
+    exhaustive: bool = False
 
     def __post_init__(self):
         _check_pipeline_args("Auto", self.num_micro_batches, self.schedule)
@@ -74,6 +86,27 @@ class Auto:
             raise ValueError(f"Auto(time_limit_s={self.time_limit_s}) must be positive")
         if not isinstance(self.solver, SolverChoice):
             raise TypeError(f"Auto(solver={self.solver!r}): use alpa_lite.plan.methods.SolverChoice")
+        if self.pipeline not in (None, True, False):
+            raise ValueError(f"Auto(pipeline={self.pipeline!r}): use None (the planner "
+                             "chooses), True or False")
+        if self.pipeline is False and (self.num_micro_batches is not None
+                                       or self.max_stages is not None
+                                       or self.schedule is not None):
+            raise ValueError(f"{describe(self)}: pipeline=False plans one SPMD stage; drop "
+                             "num_micro_batches, schedule and max_stages, or the pipeline flag")
+        if self.mesh_shapes is not None and self.fixed_pipeline:
+            raise ValueError(f"{describe(self)}: mesh_shapes is for single-stage plans (a "
+                             "pipeline's stages choose their own meshes); drop one of them")
+
+    @property
+    def searches_pipelines(self) -> bool:
+        """Whether pipelined plans are weighed at all (mesh_shapes asks for one stage)."""
+        return self.pipeline is not False and (self.mesh_shapes is None or self.fixed_pipeline)
+
+    @property
+    def fixed_pipeline(self) -> bool:
+        """Whether only pipelined plans are weighed (the user asked for one)."""
+        return self.pipeline is True or self.num_micro_batches is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +181,15 @@ class DataParallel:
 
 
 Method = Auto | Manual | DataParallel
+
+
+def megatron_grid(num_devices: int, devices_per_node: int):
+    """(dp, tp, pp) with dp*tp*pp = devices and tp dividing a node's devices: the
+    Megatron-style layouts of a cluster."""
+    for pp in range(1, num_devices + 1):
+        for tp in range(1, devices_per_node + 1):
+            if num_devices % (pp * tp) == 0 and devices_per_node % tp == 0:
+                yield num_devices // (pp * tp), tp, pp
 
 
 METHOD_KINDS = {"Auto": Auto, "Manual": Manual, "DataParallel": DataParallel}

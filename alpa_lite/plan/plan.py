@@ -235,6 +235,26 @@ class Alternative:
 
 
 @dataclasses.dataclass(frozen=True)
+class Choice:
+    """One decision of the plan that the method left open (or fixed: `by_user`), with the
+    best other value the planner weighed for it.
+
+    `what` names the decision: "pipeline", "micro-batches", "schedule", "remat",
+    "logical mesh", "optimizer state". `time_s` is the plan's estimated step; `runner_up_s`
+    the runner-up's whole-step estimate where it was planned (None: weighed without a whole
+    plan, `note` says how), and `runner_up_fits` whether it fits the memory budget.
+    """
+    what: str
+    value: str
+    time_s: float
+    runner_up: str = ""                 # "": nothing else was weighed
+    runner_up_s: float | None = None
+    runner_up_fits: bool = True
+    by_user: bool = False
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Explanation:
     """What `alpa-lite explain` needs from a plan without planning again."""
     alternatives: tuple[Alternative, ...] = ()
@@ -261,6 +281,13 @@ class PlanningStats:
     layer_ilps: int = 0
     dp_t_max_tried: int = 0
     dp_cost_queries: int = 0
+    # Reuse: intra-op problems answered by an identical layer's solve, or read from the
+    # disk cache (`planning.cache`); whether the whole plan came from that cache; whole
+    # plans `Auto()` weighed (`planning.auto_search`).
+    layer_ilps_reused: int = 0
+    layer_cache_hits: int = 0
+    plan_cache_hit: bool = False
+    plans_weighed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,6 +310,8 @@ class Plan:
     # What tracing decided about the program that the plan rests on: loops unrolled or
     # kept whole, a `while` loop's assumed trip count (`TracedStep.notes`).
     notes: tuple[str, ...] = ()
+    # What the planner chose where the method left it open (`Auto()`), and what it beat.
+    choices: tuple[Choice, ...] = ()
 
     @property
     def compute_s(self) -> float:
@@ -528,7 +557,23 @@ def _plan_to_obj(p: Plan) -> dict[str, Any]:
         obj["step_time"] = step_time_to_obj(p.step_time)
     if p.notes:
         obj["notes"] = list(p.notes)
+    if p.choices:
+        obj["choices"] = [dataclasses.asdict(c) | {"time_s": float(c.time_s),
+                                                   "runner_up_s": None if c.runner_up_s is None
+                                                   else float(c.runner_up_s)}
+                          for c in p.choices]
     return obj
+
+
+def _choice_from_obj(o) -> Choice:
+    fields = {f.name for f in dataclasses.fields(Choice)}
+    if set(o) != fields:
+        raise ValueError(f"choices: a choice has keys {sorted(o)}, expected {sorted(fields)}")
+    return Choice(what=str(o["what"]), value=str(o["value"]), time_s=float(o["time_s"]),
+                  runner_up=str(o["runner_up"]),
+                  runner_up_s=None if o["runner_up_s"] is None else float(o["runner_up_s"]),
+                  runner_up_fits=bool(o["runner_up_fits"]), by_user=bool(o["by_user"]),
+                  note=str(o["note"]))
 
 
 def _compression_from_obj(o) -> CompressionSpec | None:
@@ -546,7 +591,7 @@ def _plan_from_obj(o: dict[str, Any]) -> Plan:
     expected = {"format", "method", "cluster_name", "cluster_fingerprint",
                 "program_fingerprint", "input_signature", "stages", "unsharded_primitives",
                 "pipeline", "compression", "gradient_sync"}
-    if set(o) - {"explanation", "step_time", "notes"} != expected:
+    if set(o) - {"explanation", "step_time", "notes", "choices"} != expected:
         raise ValueError(f"unexpected keys {sorted(set(o) - expected)}, missing "
                          f"{sorted(expected - set(o))}")
     return Plan(
@@ -561,4 +606,5 @@ def _plan_from_obj(o: dict[str, Any]) -> Plan:
         gradient_sync=tuple(_sync_from_obj(g) for g in o["gradient_sync"]),
         explanation=_explanation_from_obj(o["explanation"]) if "explanation" in o else None,
         step_time=step_time_from_obj(o["step_time"]) if "step_time" in o else None,
-        notes=tuple(str(n) for n in o.get("notes", ())))
+        notes=tuple(str(n) for n in o.get("notes", ())),
+        choices=tuple(_choice_from_obj(c) for c in o.get("choices", ())))

@@ -60,6 +60,8 @@ def plan_summary(plan, max_rows: int = 40) -> str:
                       f"peak memory {fmt_bytes(plan.peak_memory_bytes)} per device")
     if plan.step_time is not None:
         console.print(step_time_table(plan.step_time))
+    if plan.choices:
+        console.print(choices_table(plan))
     if plan.pipeline is not None:
         p = plan.pipeline
         console.print(f"pipeline: {len(plan.stages)} stage(s), {plan.schedule}, "
@@ -149,4 +151,23 @@ def gradient_sync_table(plan) -> Table:
     for (stage, acc, axes, kind, comp, count), (n, nbytes, t) in sorted(rows.items()):
         table.add_row(str(stage), str(n), acc, axes, kind, escape(comp), fmt_bytes(nbytes),
                       f"{count}x", fmt_time(t) if t else "-")
+    return table
+
+
+def choices_table(plan) -> Table:
+    """What the planner chose where the method left it open (or the user fixed it), and
+    the runner-up each choice beat, with its whole-step estimate where it was planned."""
+    table = Table(title="choices", show_edge=False)
+    for col in ("", "chosen", "by", "runner-up", "its step", "note"):
+        table.add_column(col)
+    for c in plan.choices:
+        if not c.runner_up:
+            other = "-"
+        elif c.runner_up_s is not None:
+            other = f"{fmt_time(c.runner_up_s)} ({c.runner_up_s / c.time_s:.2f}x)" \
+                if c.time_s > 0 else fmt_time(c.runner_up_s)
+        else:
+            other = "does not fit" if not c.runner_up_fits else "see note"
+        table.add_row(c.what, escape(c.value), "user" if c.by_user else "planner",
+                      escape(c.runner_up or "-"), other, escape(c.note))
     return table

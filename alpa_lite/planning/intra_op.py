@@ -24,7 +24,7 @@ from typing import Mapping
 import numpy as np
 
 from alpa_lite.cost_models.cluster import Cluster
-from alpa_lite.errors import PlanningError
+from alpa_lite.errors import MemoryBudgetError, PlanningError
 from alpa_lite.ir.graph import OpGraph, Role, Tensor
 from alpa_lite.plan import CollectiveSummary, StagePlan
 from alpa_lite.plan.sharding import (
@@ -327,11 +327,11 @@ class BuiltStage:
                                       time_limit_s=self.time_limit_s)
             sol = dataclasses.replace(tied, choices=tuple(tied.choices[c] for c in cls))
         except InfeasibleMemoryError as e:
-            raise PlanningError(
+            raise MemoryBudgetError(
                 f"no sharding on mesh {mesh.shape} fits the memory budget of "
                 f"{e.budget_bytes / 2**30:.2f} GiB per device: the smallest peak memory any "
                 f"plan reaches is {e.min_memory_bytes / 2**30:.2f} GiB. Use more devices, a "
-                "smaller batch, or raise the budget") from None
+                "smaller batch, or raise the budget", e.min_memory_bytes) from None
         stage, by_node, node_compute = _assemble(self, sol.choices)
         units = self.units
         return StageResult(stage=stage, objective_s=sol.objective_s,

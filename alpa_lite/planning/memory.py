@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from alpa_lite.errors import PlanningError
+from alpa_lite.errors import MemoryBudgetError, PlanningError
 from alpa_lite.ir.graph import OpGraph, Role
 from alpa_lite.plan import StagePlan
 from alpa_lite.plan.memory import MemoryEstimate, format_bytes
@@ -214,8 +214,8 @@ def solve_within_memory(built, budget: float, estimate, tries: int = 4):
         if nxt < built.min_memory_bytes or nxt <= 0:
             break
         ilp_budget = nxt
-    raise PlanningError(over_budget_message(
+    raise MemoryBudgetError(over_budget_message(
         f"the best plan on mesh {built.mesh.shape}", est, budget,
         "The planner re-solved with the budget tightened by the overshoot and found nothing "
         "that fits. Use more devices, a smaller batch, more micro-batches or remat, or raise "
-        "memory_budget_bytes"))
+        "memory_budget_bytes"), est.total)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import threading
 import warnings
@@ -35,7 +36,7 @@ from alpa_lite.cost_models.pipeline_schedule import (
     schedule_from_name,
     simulate,
 )
-from alpa_lite.errors import PlanningError
+from alpa_lite.errors import MemoryBudgetError, PlanningError
 from alpa_lite.ir.batch import batch_dims
 from alpa_lite.ir.graph import Role
 from alpa_lite.ir.op_rules import DimLabels, enumerate_assignments
@@ -47,16 +48,25 @@ from alpa_lite.ir.step_parts import (
 )
 from alpa_lite.plan import (
     Alternative,
+    Choice,
     Explanation,
     PipelineSpec,
     Plan,
     PlanningStats,
     StagePlan,
 )
-from alpa_lite.plan.memory import MemoryEstimate
+from alpa_lite.plan.memory import MemoryEstimate, format_bytes
 from alpa_lite.plan.methods import Auto, Manual
 from alpa_lite.plan.plan import AuxCombination, Combine
 from alpa_lite.plan.sharding import CommModel, LogicalMesh, TensorSpec, itemsize
+from alpa_lite.planning.cache import (
+    cache_dir,
+    cache_key,
+    load_object,
+    mesh_cluster,
+    save_object,
+)
+from alpa_lite.planning.fusion import fuse
 from alpa_lite.planning.gradient_sync import PlannedStage, grad_reduction_ops, stage_sync
 from alpa_lite.planning.intra_op import (
     BuiltStage,
@@ -72,6 +82,7 @@ from alpa_lite.planning.memory import (
     solve_within_memory,
 )
 from alpa_lite.planning.spmd import manual_pins, solver_for
+from alpa_lite.planning.strategies import node_compute_time
 from alpa_lite.planning.step_time import pipeline_step_time
 from alpa_lite.planning.update_placement import place_update
 from alpa_lite.progress import CLUSTER, DP, ILPS, Progress, report
@@ -107,7 +118,8 @@ class StageCost:
 
 class PipelinePlanner:
     def __init__(self, parts: StepParts, cluster: Cluster, solver, time_limit_s: float,
-                 names: Mapping[int, str], progress: Progress | None = None):
+                 names: Mapping[int, str], progress: Progress | None = None,
+                 exhaustive: bool = False):
         self.parts = parts
         self.progress = progress
         self.queued = 0         # intra-op problems asked for, and those done (for progress)
@@ -128,6 +140,18 @@ class PipelinePlanner:
         self._lock = threading.Lock()
         self.memos: dict[tuple, MeshMemo] = {}
         self.options: dict[tuple, tuple[StageCost, StageCost]] = {}   # `_layer_options`
+        # Logical meshes (shape, axis names) whose memory-lean layer plans cannot help.
+        self.lean_pruned: set[tuple] = set()
+        self.asked: set[tuple] = set()     # (range, mesh, pins) plans asked for
+        self.cache_hits = 0                # of them, read from the disk cache
+        # Exhaustive: every layer range solved on its own, nothing pruned (for checking
+        # that reuse and pruning lose nothing).
+        self.exhaustive = exhaustive
+
+    def reuse_key(self, prog: StageProgram):
+        """What intra-op plans are memoised by: the range's structure (identical layers
+        are one problem), or with `exhaustive` the range itself."""
+        return (prog.structure, id(prog)) if self.exhaustive else prog.structure
 
     def program(self, start: int, stop: int) -> StageProgram:
         if (start, stop) not in self.programs:
@@ -172,7 +196,8 @@ class PipelinePlanner:
         allows (the memory-lean option; its gradient and optimizer state follow it).
         Submeshes are placed node-aligned (`_place`), where a block's links do not depend
         on where it starts, so one plan serves every offset (its device list is moved)."""
-        key = (prog.structure, mesh.shape, mesh.axis_names, manual, lean)
+        key = (self.reuse_key(prog), mesh.shape, mesh.axis_names, manual, lean)
+        self.asked.add((id(prog), mesh.shape, mesh.axis_names, manual, lean))
         if key not in self.costs:
             self._queue(1)
             self._compute(key, prog, mesh, manual, lean)
@@ -188,7 +213,7 @@ class PipelinePlanner:
         that cannot be planned is remembered, and `cost` raises its error."""
         todo = {}
         for prog, mesh, manual, lean in jobs:
-            key = (prog.structure, mesh.shape, mesh.axis_names, manual, lean)
+            key = (self.reuse_key(prog), mesh.shape, mesh.axis_names, manual, lean)
             if key not in self.costs:
                 todo.setdefault(key, (key, prog, mesh, manual, lean))
         self._queue(len(todo))
@@ -197,9 +222,16 @@ class PipelinePlanner:
             for job in todo.values():
                 self._compute(*job)
             return
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(workers)
+        try:
             for f in [pool.submit(self._compute, *job) for job in todo.values()]:
                 f.result()
+        except BaseException:
+            # Ctrl-C (or a bug): drop the queued problems rather than solve them all
+            # before the error can surface; a solve already running ends on its own.
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
 
     def _queue(self, n: int) -> None:
         if n:
@@ -210,10 +242,24 @@ class PipelinePlanner:
 
     def _compute(self, key, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
                  lean: bool) -> None:
-        try:
-            self.costs[key] = self._plan(prog, mesh, manual, lean)
-        except PlanningError as e:
-            self.costs[key] = e
+        disk = None if self.exhaustive or cache_dir() is None else cache_key(
+            "layer", prog.structure, mesh.shape, mesh.axis_names, repr(manual), lean,
+            mesh_cluster(self.cluster, mesh.num_devices), self.opt_ratio, self.solver,
+            self.time_limit_s, sorted(self.seeds(prog).items()))
+        cached = load_object("layers", disk) if disk else None
+        if isinstance(cached, StageCost):
+            self.costs[key] = cached
+            with self._lock:
+                self.cache_hits += 1
+        else:
+            try:
+                self.costs[key] = self._plan(prog, mesh, manual, lean)
+                if disk:
+                    save_object("layers", disk, self.costs[key])
+            except PlanningError as e:
+                self.costs[key] = e
+                with self._lock:
+                    self.ilps += 1      # solved, and found nothing
         with self._lock:
             self.done += 1
             done, total = self.done, self.queued
@@ -312,8 +358,9 @@ def _fit_stage(planner: PipelinePlanner, prog: StageProgram, cost: StageCost,
                                                     mesh, held, remat))
     except PlanningError as e:
         if manual is None:
-            raise PlanningError(f"pipeline stage {s} (holding {held} micro-batch(es) of "
-                                f"activations): {e}") from None
+            raise MemoryBudgetError(f"pipeline stage {s} (holding {held} micro-batch(es) of "
+                                    f"activations): {e}",
+                                    getattr(e, "peak_bytes", est.total)) from None
         # A Manual layout is the user's: the plan is made, flagged by its estimate.
         warnings.warn(f"{manual!r}: pipeline stage {s} does not fit: {e}", stacklevel=4)
         return cost, stage_estimate(planner, prog, cost, mesh, held, remat)
@@ -416,8 +463,13 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
     n_nodes = len(fwd.graph.nodes)
     m = parts.num_micro_batches
     names = forward_names(parts, tensor_names or {})
+    user_method = method
+    schedule_open = isinstance(method, Auto) and method.schedule is None
+    if schedule_open:   # searched as 1F1B, then weighed against GPipe on the chosen stages
+        method = dataclasses.replace(method, schedule="1f1b")
     solver = solver_for(method.solver)
-    planner = PipelinePlanner(parts, cluster, solver, method.time_limit_s, names, progress)
+    planner = PipelinePlanner(parts, cluster, solver, method.time_limit_s, names, progress,
+                              exhaustive=isinstance(method, Auto) and method.exhaustive)
     alternatives: list[Alternative] = []
     if isinstance(method, Manual):
         pp = method.pp
@@ -445,38 +497,17 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
             mesh = LogicalMesh((method.dp, method.tp), ("dp", "tp"), device_offset=s * per)
             chosen.append(((a, b), mesh, method.remat, False))
         dp_stats = None
+        stages, costs, progs, estimates = _fit_stages(planner, method, bounds, chosen, m)
     elif isinstance(method, Auto):
         report(progress, CLUSTER, 0, 1)
         starts = forward_layers(fwd, num_layers=method.num_layers)
         report(progress, CLUSTER, 1, 1)
         L = len(starts)
         bounds = layer_node_ranges(starts, n_nodes)
-        chosen, dp_stats = _search(planner, method, cluster, bounds, m, alternatives)
-        chosen = _polish(planner, method, cluster, bounds, chosen, m, alternatives)
+        chosen, dp_stats, (stages, costs, progs, estimates) = _auto_stages(
+            planner, method, cluster, bounds, m, alternatives)
     else:
         raise TypeError(f"pipelined plans need al.Auto or al.Manual, got {method!r}")
-    stages = []
-    costs = []
-    progs = []
-    estimates = []
-    budget = (method.memory_budget_bytes if isinstance(method, Auto) else None) or \
-        cluster.device.memory_bytes
-    for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
-        prog = planner.program(bounds[a][0], bounds[b][1])
-        progs.append(prog)
-        manual = method if isinstance(method, Manual) else None
-        cost = planner.cost(prog, mesh, manual, lean)
-        # The planner never returns a stage its whole-stage estimate says does not fit.
-        held = held_micro_batches(method.schedule, len(chosen), s, m)
-        cost, est = _fit_stage(planner, prog, cost, mesh, manual, lean, held, remat, budget, s)
-        st = cost.result.stage
-        stages.append(dataclasses.replace(
-            st, forward_s=cost.forward_s, backward_s=cost.backward_s, layers=(a, b),
-            remat=remat,
-            total_s=cost.forward_s * (2 if remat else 1) + cost.backward_s,
-            peak_memory_bytes=est.total, memory=est))
-        costs.append(cost)
-        estimates.append(est)
     S = len(stages)
     # Gradients: accumulated per device and reduced once per step where the stage's batch
     # axes split nothing else (planning.gradient_sync).
@@ -498,13 +529,14 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
                            send_gradient_s=sends[s - 1] if s > 0 else 0.0, remat=st.remat)
                for s, st in enumerate(stages)]
     sim = simulate(timings, m, schedule_from_name(method.schedule))
-    # After the last backward every stage applies its update at once: an element-wise pass
-    # over parameters, gradients and optimizer state, read and written, at memory bandwidth.
-    apply_s = max(2 * c.param_bytes / cluster.device.memory_bandwidth_bytes_per_s
-                  for c in costs)
+    choices = [_schedule_choice(planner, method, progs, costs, stages, timings, sim, m,
+                                by_user=not schedule_open),
+               _remat_choice(stages, alternatives, by_user=isinstance(method, Manual))]
     # Each stage reduces its accumulated gradients after its own last backward, side by side
     # with the others' remaining work (planning.step_time says what is left exposed).
     update_stages, inputs = place_update(parts, progs, stages)
+    # After the last backward every stage applies its share of the update at once.
+    apply_s = _update_time(planner, update_stages, costs, progs)
     breakdown = pipeline_step_time(stages, timings, sim, m, schedule_from_name(method.schedule),
                                    reduce_s, apply_s)
     spec = PipelineSpec(num_micro_batches=m, schedule=method.schedule, layer_starts=tuple(starts),
@@ -525,16 +557,164 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
         ilp_variables=sum(c.result.ilp_variables for c in costs),
         ilp_constraints=sum(c.result.ilp_constraints for c in costs),
         num_layers=L, layer_ilps=planner.ilps,
+        layer_ilps_reused=len(planner.asked) - planner.ilps - planner.cache_hits,
+        layer_cache_hits=planner.cache_hits,
         dp_s=dp_stats.solve_time_s if dp_stats else 0.0,
         dp_t_max_tried=dp_stats.t_max_tried if dp_stats else 0,
         dp_cost_queries=dp_stats.cost_queries if dp_stats else 0)
-    return Plan(method=method, cluster_name=cluster.name,
+    step_s = breakdown.total_s
+    return Plan(method=user_method, cluster_name=cluster.name,
                 cluster_fingerprint=cluster.fingerprint(), program_fingerprint=traced_fingerprint,
                 input_signature=input_signature, stages=tuple(stages),
                 unsharded_primitives=unsharded, pipeline=spec, stats=stats,
                 explanation=Explanation(tuple(alternatives)) if alternatives else None,
                 gradient_sync=tuple(sync_records), step_time=breakdown,
-                notes=tuple(dict.fromkeys(parts.outer.notes + fwd.notes)))
+                notes=tuple(dict.fromkeys(parts.outer.notes + fwd.notes)),
+                choices=tuple(dataclasses.replace(c, time_s=step_s) for c in choices))
+
+
+def _schedule_choice(planner: PipelinePlanner, method, progs, costs, stages, timings,
+                     sim, m: int, by_user: bool) -> Choice:
+    """The schedule against the other one on the same stages: its simulated pipeline and,
+    for GPipe, every stage holding all m micro-batches' activations.
+
+    1F1B is planned. Under this cost model GPipe runs the same work with the same bubble,
+    so it cannot be faster, and it holds more micro-batches in flight: it is weighed here,
+    not planned, and the record says by how much it lost."""
+    other = "gpipe" if method.schedule == "1f1b" else "1f1b"
+    other_sim = simulate(timings, m, schedule_from_name(other))
+    budget = (method.memory_budget_bytes if isinstance(method, Auto) else None) or \
+        planner.cluster.device.memory_bytes
+    S = len(stages)
+    peak = max(stage_estimate(planner, progs[s], costs[s], _stage_mesh(stages[s]),
+                              held_micro_batches(other, S, s, m), stages[s].remat).total
+               for s in range(S))
+    return Choice("schedule", method.schedule, sim.step_time_s, runner_up=other,
+                  runner_up_s=None, runner_up_fits=peak <= budget, by_user=by_user,
+                  note=f"{other}: pipeline {other_sim.step_time_s * 1e3:.3f} ms against "
+                       f"{sim.step_time_s * 1e3:.3f} ms, peak {format_bytes(peak)} per device "
+                       "on the same stages")
+
+
+def _update_time(planner: PipelinePlanner, update_stages, costs, progs) -> float:
+    """The optimizer update's time: each stage runs its operators of it (`place_update`),
+    priced as the single-stage planner prices them (fused kernels, each paying the
+    device's per-kernel overhead, and their memory traffic), split as finely as the stage
+    splits its parameters and optimizer state; the stages run side by side."""
+    parts, cluster = planner.parts, planner.cluster
+    outer = parts.outer.graph
+    fusion = fuse(outer, row_reductions_fuse=cluster.platform != "cpu")
+    shards = []
+    for c, prog in zip(costs, progs):
+        whole = sum(prog.fb.graph.tensors[t].nbytes for t in prog.fb_params) \
+            * (2.0 + planner.opt_ratio)
+        shards.append(max(1.0, whole / c.param_bytes) if c.param_bytes > 0 else 1.0)
+    per_stage = [0.0] * len(progs)
+    for nid, s in zip(parts.apply_nodes, update_stages):
+        node = outer.nodes[nid]
+        dtype = outer.tensors[node.outputs[0]].dtype if node.outputs else "float32"
+        per_stage[s] += node_compute_time(node, fusion, cluster.device, dtype, shards[s])
+    return max(per_stage, default=0.0)
+
+
+def _stage_mesh(st: StagePlan) -> LogicalMesh:
+    return LogicalMesh(tuple(st.mesh_shape), tuple(st.axis_names),
+                       device_offset=st.devices[0])
+
+
+def _remat_choice(stages, alternatives: list[Alternative], by_user: bool) -> Choice:
+    """Which stages recompute their forward, and the best whole-stage option of the other
+    kind that the final re-plan weighed (`_polish`'s "mesh" alternatives)."""
+    on = [str(s) for s, st in enumerate(stages) if st.remat]
+    value = f"stages {', '.join(on)}" if on else "none"
+    flipped = [a for a in alternatives if a.kind == "mesh" and a.stage >= 0
+               and (" remat" in a.label) != stages[a.stage].remat and a.time_s > 0]
+    if not flipped:
+        return Choice("remat", value, 0.0, by_user=by_user,
+                      note="" if by_user else "per stage, chosen by the stage DP")
+    best = min(flipped, key=lambda a: (not a.fits, a.time_s))
+    st = stages[best.stage]
+    return Choice("remat", value, 0.0,
+                  runner_up=f"stage {best.stage} {'without' if st.remat else 'with'} remat",
+                  runner_up_fits=best.fits,
+                  note=f"stage {best.stage}: {best.label} {best.time_s * 1e3:.3f} ms per "
+                       f"micro-batch against {st.total_s * 1e3:.3f} ms chosen")
+
+
+FIT_ATTEMPTS = 4
+"""Stage searches an Auto pipeline may take to fit: each after the first runs the stage DP
+with its budget lowered by the overshoot of the stage that did not fit."""
+
+
+def _auto_stages(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m: int,
+                 alternatives: list[Alternative]):
+    """The stage DP's pipeline, its stages re-planned whole and fitted to the budget.
+
+    The DP sums its layers' memory; a whole stage can need more (the resharding between
+    layers, workspace). Where a chosen stage does not fit even after `_polish` and
+    `_fit_stage` tried its other meshes, remat and a tighter ILP budget, the DP runs again
+    with its budget lowered by that stage's overshoot, so it cuts the layers another way,
+    recomputes, or takes a bigger submesh. A plan is returned only when every stage's
+    whole-stage estimate fits.
+
+    Raises:
+      MemoryBudgetError: no pipeline with these micro-batches fits; `peak_bytes` is the
+        smallest peak any tried stage reached.
+    """
+    budget = method.memory_budget_bytes or cluster.device.memory_bytes
+    dp_budget = budget
+    smallest = math.inf
+    last: Exception | None = None
+    for _ in range(FIT_ATTEMPTS):
+        weighed: list[Alternative] = []
+        try:
+            chosen, dp_stats = _search(planner, method, cluster, bounds, m, weighed, dp_budget)
+        except PlanningError as e:
+            last = e
+            break
+        chosen = _polish(planner, method, cluster, bounds, chosen, m, weighed)
+        try:
+            fitted = _fit_stages(planner, method, bounds, chosen, m)
+        except MemoryBudgetError as e:
+            last = e
+            smallest = min(smallest, e.peak_bytes)
+            # A stage overshot by e.peak_bytes / budget: ask the DP for that much less.
+            dp_budget *= budget / e.peak_bytes * 0.98
+            continue
+        alternatives.extend(weighed)
+        return chosen, dp_stats, fitted
+    peak = f"; the smallest stage peak reached was {format_bytes(smallest)}" \
+        if smallest < math.inf else ""
+    raise MemoryBudgetError(
+        f"no pipeline with {m} micro-batch(es) fits {format_bytes(budget)} per device "
+        f"after {FIT_ATTEMPTS} stage searches{peak}: {last}. Use more micro-batches, more "
+        "devices or a smaller batch, or raise memory_budget_bytes",
+        smallest if smallest < math.inf else getattr(last, "peak_bytes", math.inf))
+
+
+def _fit_stages(planner: PipelinePlanner, method, bounds, chosen, m: int):
+    """Each chosen (layers, mesh, remat, lean) planned whole and fitted to the budget
+    (`_fit_stage`): the stage records, their costs, programs and memory estimates."""
+    budget = (method.memory_budget_bytes if isinstance(method, Auto) else None) or \
+        planner.cluster.device.memory_bytes
+    stages, costs, progs, estimates = [], [], [], []
+    for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
+        prog = planner.program(bounds[a][0], bounds[b][1])
+        progs.append(prog)
+        manual = method if isinstance(method, Manual) else None
+        cost = planner.cost(prog, mesh, manual, lean)
+        # The planner never returns a stage its whole-stage estimate says does not fit.
+        held = held_micro_batches(method.schedule, len(chosen), s, m)
+        cost, est = _fit_stage(planner, prog, cost, mesh, manual, lean, held, remat, budget, s)
+        st = cost.result.stage
+        stages.append(dataclasses.replace(
+            st, forward_s=cost.forward_s, backward_s=cost.backward_s, layers=(a, b),
+            remat=remat,
+            total_s=cost.forward_s * (2 if remat else 1) + cost.backward_s,
+            peak_memory_bytes=est.total, memory=est))
+        costs.append(cost)
+        estimates.append(est)
+    return stages, costs, progs, estimates
 
 
 def forward_names(parts: StepParts, outer_names: Mapping[int, str]) -> dict[int, str]:
@@ -631,11 +811,12 @@ def _layer_options(planner: PipelinePlanner, prog: StageProgram, mesh: LogicalMe
     already splits every parameter as finely as the mesh allows). For their costs only:
     memoised per layer structure, so the sharding tables name the first such layer's
     tensors."""
-    key = (prog.structure, mesh.shape, mesh.axis_names)
+    key = (planner.reuse_key(prog), mesh.shape, mesh.axis_names)
     if key not in planner.options:
         fast = planner.cost(prog, mesh, None)
         lean = fast
-        if not _params_finest(prog, fast, mesh):
+        if (mesh.shape, mesh.axis_names) not in planner.lean_pruned and \
+                not _params_finest(prog, fast, mesh):
             try:
                 lean = planner.cost(prog, mesh, None, lean=True)
             except PlanningError:
@@ -644,14 +825,24 @@ def _layer_options(planner: PipelinePlanner, prog: StageProgram, mesh: LogicalMe
     return planner.options[key]
 
 
+def _lean_cannot_help(planner: PipelinePlanner, progs, mesh: LogicalMesh, in_flight: int,
+                      budget: float) -> bool:
+    """Whether every layer's fastest plan on `mesh`, all of them in one stage holding
+    `in_flight` micro-batches, fits `budget`: then no stage on this mesh needs the
+    memory-lean option (never faster, it only saves memory), and it is not solved."""
+    fast = [planner.cost(prog, mesh, None) for prog in progs]
+    need = sum(c.param_bytes for c in fast) + in_flight * sum(c.act_bytes for c in fast)
+    return need <= budget
+
+
 def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m: int,
-            alternatives: list[Alternative] | None = None):
+            alternatives: list[Alternative] | None = None, budget: float | None = None):
     """Alpa's inter-op search: per-layer intra-op costs, summed per range, into the DP.
     What the DP weighed against its plan goes to `alternatives` (`_dp_alternatives`)."""
     N, M = cluster.num_nodes, cluster.devices_per_node
     shapes = submesh_shapes(N, M)
     L = len(bounds)
-    budget = method.memory_budget_bytes or cluster.device.memory_bytes
+    budget = budget or method.memory_budget_bytes or cluster.device.memory_bytes
     # Per layer, per (submesh, logical shape): the layer's cost. Logical meshes are laid at
     # the start of a node-aligned block; the submesh's place does not change its costs.
     # Two options per layer and logical mesh: the fastest sharding, and the fastest with
@@ -662,10 +853,16 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
     rows: dict[tuple[int, tuple[int, int], str], list] = {}
     progs = [planner.program(a, b) for a, b in bounds]
     meshes = [LogicalMesh(shape, ("x", "y")) for sub in shapes for shape in _logical_shapes(sub)]
-    distinct = list({prog.structure: prog for prog in progs}.values())
+    distinct = list({planner.reuse_key(prog): prog for prog in progs}.values())
     planner.prefetch((prog, mesh, None, False) for prog in distinct for mesh in meshes)
+    if not planner.exhaustive:
+        in_flight = m if method.schedule == "gpipe" else min(m, L)
+        planner.lean_pruned.update(
+            (mesh.shape, mesh.axis_names) for mesh in meshes
+            if _lean_cannot_help(planner, progs, mesh, in_flight, budget))
     planner.prefetch((prog, mesh, None, True) for prog in distinct for mesh in meshes
-                     if not _params_finest(prog, planner.cost(prog, mesh, None), mesh))
+                     if (mesh.shape, mesh.axis_names) not in planner.lean_pruned
+                     and not _params_finest(prog, planner.cost(prog, mesh, None), mesh))
     for li, prog in enumerate(progs):
         for si, sub in enumerate(shapes):
             for shape in _logical_shapes(sub):

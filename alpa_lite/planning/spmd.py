@@ -18,7 +18,7 @@ import warnings
 from typing import Mapping
 
 from alpa_lite.cost_models.cluster import Cluster
-from alpa_lite.errors import PlanningError
+from alpa_lite.errors import MemoryBudgetError, PlanningError
 from alpa_lite.ir.batch import batch_dims, batch_size
 from alpa_lite.ir.graph import OpGraph, Role, Tensor
 from alpa_lite.ir.op_rules import dim_labels
@@ -282,8 +282,11 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
                 if found is not None:
                     results.append(found)
         if not results:
-            raise PlanningError("no logical mesh gives a plan that fits: "
-                                + " | ".join(str(e) for e in failures))
+            msg = "no logical mesh gives a plan that fits: " + " | ".join(map(str, failures))
+            peaks = [getattr(e, "peak_bytes", None) for e in failures]
+            if failures and None not in peaks:
+                raise MemoryBudgetError(msg, min(peaks))
+            raise PlanningError(msg)
     else:
         raise TypeError(f"method must be al.Auto(), al.Manual(...) or al.DataParallel(), "
                         f"got {method!r}")

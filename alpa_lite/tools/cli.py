@@ -74,6 +74,7 @@ class _ProgressDisplay:
             SpinnerColumn,
             TextColumn,
             TimeElapsedColumn,
+            TimeRemainingColumn,
         )
         self.live = None
         self.verbose = verbose
@@ -83,8 +84,11 @@ class _ProgressDisplay:
         self.t0 = time.perf_counter()
         err = Console(stderr=True)
         if err.is_terminal:
+            # Elapsed, then the time left in the phase at its pace so far (a phase
+            # whose total grows as it goes, such as the intra-op ILPs, re-estimates).
             self.live = Progress(SpinnerColumn(), TextColumn("{task.description:<16}"),
                                  BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("left"), TimeRemainingColumn(),
                                  console=err, transient=True)
 
     def __enter__(self):
@@ -235,7 +239,6 @@ def clusters_table() -> Table:
 def _method(args, num_devices: int):
     """The method(s) the plan command asks for: a list of (label, method)."""
     from alpa_lite.plan.methods import Auto, DataParallel, Manual
-    from alpa_lite.tools.compare import DEFAULT_MICRO_BATCHES
     if args.method != "manual" and (args.dp or args.tp or args.pp or args.remat):
         raise UsageError(f"--dp/--tp/--pp/--remat set the layout of --method manual, not "
                          f"--method {args.method}")
@@ -256,13 +259,16 @@ def _method(args, num_devices: int):
                              f"the cluster has {num_devices}; choose degrees whose product is "
                              f"{num_devices}")
         return [("manual", Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=m or 1,
-                                  schedule=args.schedule, remat=args.remat))]
+                                  schedule=args.schedule or "1f1b", remat=args.remat))]
     if m == "none":
-        return [("auto", Auto())]
+        if args.schedule is not None:
+            raise UsageError("--schedule is for pipelines; --micro-batches none plans one "
+                             "SPMD stage")
+        return [("auto", Auto(pipeline=False))]
     if isinstance(m, int):
         return [(f"auto m={m}", Auto(num_micro_batches=m, schedule=args.schedule))]
-    return [("auto", Auto())] + [(f"auto m={k}", Auto(num_micro_batches=k, schedule=args.schedule))
-                                 for k in DEFAULT_MICRO_BATCHES]
+    # The planner weighs one SPMD stage against pipelines over the micro-batch counts.
+    return [("auto", Auto(schedule=args.schedule))]
 
 
 def cmd_plan(args) -> int:
@@ -640,10 +646,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive, help="manual: tensor-parallel degree (default 1)")
     p.add_argument("--pp", type=_positive, help="manual: pipeline stages (default 1)")
     p.add_argument("--micro-batches", type=_micro_batches, default=None,
-                   help="auto: 'auto' (default: one SPMD stage and the pipeline search with "
-                        "1, 4 and 16 micro-batches, the fastest that fits), 'none' (one "
+                   help="auto: 'auto' (default: the planner weighs one SPMD stage "
+                        "against pipelines and chooses the micro-batch count), 'none' (one "
                         "SPMD stage) or a number; manual: a number (default 1)")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default=None,
+                   help="pipeline schedule (default: auto chooses; manual uses 1f1b)")
     p.add_argument("--remat", action="store_true", help="manual: recompute activations")
     p.add_argument("--zero", action="store_true",
                    help="dp: shard the optimizer state (ZeRO stage 1)")
@@ -724,6 +731,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from alpa_lite.tools.targets import TargetError
     try:
         return args.run(args)
+    except KeyboardInterrupt:
+        # Planning writes its output only at the end: nothing was written. The solver
+        # threads are told to stop (`planning.pipeline`); a solve already running ends
+        # on its own, within its time limit.
+        print(f"{PROG}: interrupted (Ctrl-C); nothing was written", file=sys.stderr)
+        return 130
     except (UsageError, TargetError) as e:
         return _fail(e, 2)
     except PlanningError as e:

@@ -48,7 +48,7 @@ from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import OpGraph, Role
 from alpa_lite.plan import Plan
-from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method
+from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, megatron_grid
 from alpa_lite.progress import Progress, report
 
 DEFAULT_MICRO_BATCHES = (1, 4, 16)
@@ -77,14 +77,6 @@ class CompareRow:
     error: str = ""             # why the planner refused this configuration
     measured_step_s: float | None = None
     plan: Plan | None = dataclasses.field(default=None, compare=False, repr=False)
-
-
-def megatron_grid(num_devices: int, devices_per_node: int):
-    """(dp, tp, pp) with dp*tp*pp = devices and tp dividing a node's devices."""
-    for pp in range(1, num_devices + 1):
-        for tp in range(1, devices_per_node + 1):
-            if num_devices % (pp * tp) == 0 and devices_per_node % tp == 0:
-                yield num_devices // (pp * tp), tp, pp
 
 
 def candidate_methods(num_devices: int, devices_per_node: int, batch: int,

@@ -36,13 +36,15 @@ from alpa_lite.ir.step_parts import split_step
 from alpa_lite.plan import Plan, StagePlan
 from alpa_lite.plan.methods import Auto, DataParallel, Manual
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
-from alpa_lite.plan.text import fmt_bytes, step_time_table
+from alpa_lite.plan.text import choices_table, fmt_bytes, step_time_table
 from alpa_lite.planning.intra_op import BuiltStage, StageOptions, build_stage
 from alpa_lite.planning.pipeline import PipelinePlanner, forward_names, layer_node_ranges
 from alpa_lite.planning.spmd import manual_pins
 from alpa_lite.solvers.sharding_ilp import Solver, evaluate
 
 KIND_TITLES = {
+    "plan": "whole plans Auto weighed: one SPMD stage, the stage DP's pipeline per "
+            "micro-batch count, the Megatron layouts (time: the whole step's estimate)",
     "mesh": "logical meshes planned whole (time: the stage's forward + backward of one "
             "micro-batch, or the whole step for a single stage)",
     "option": "the stage DP's options for these layers on this submesh (time: the stage's "
@@ -78,6 +80,8 @@ def stage_text(plan: Plan, stage: int | None = None) -> str:
                   f"{len(plan.stages)} stage(s), estimated step {fmt_time(plan.step_time_s)}")
     if plan.step_time is not None and stage is None:
         console.print(step_time_table(plan.step_time))
+    if plan.choices and stage is None:
+        console.print(choices_table(plan))
     for s, st in enumerate(plan.stages):
         if stage is not None and s != stage:
             continue
@@ -94,7 +98,7 @@ def stage_text(plan: Plan, stage: int | None = None) -> str:
         console.print(f"\nno alternatives recorded: {why}. `--op NAME` still explains an "
                       "operator's sharding.")
         return buf.getvalue()
-    for kind in ("stages", "cut", "option", "mesh"):
+    for kind in ("plan", "stages", "cut", "option", "mesh"):
         rows = [a for a in alts if a.kind == kind and (stage is None or a.stage in (-1, stage))]
         if not rows:
             continue

@@ -1,0 +1,276 @@
+"""`Auto()` with nothing set: one SPMD stage or a pipeline, and how many micro-batches.
+
+`search_auto(method, batch, plan_single, plan_pipelined)` weighs the single-stage plan
+(`planning.spmd`) against pipelined plans (`planning.pipeline`) over the micro-batch
+counts that divide the batch, and returns the fastest plan that fits the memory budget,
+with `Plan.choices` saying what was chosen and the runner-up it beat. Inside each
+candidate the planners choose the rest (stages, meshes, remat, schedule, shardings).
+
+Which micro-batch counts are planned. A pipelined plan costs a trace at the micro-batch
+size and a stage search, so the counts are not all planned. Memory only falls as m grows
+(each micro-batch holds fewer activations), and the estimated step first falls (a smaller
+bubble) then rises (smaller, less efficient kernels, more per-micro-batch overheads). The
+search therefore starts in the middle of the divisors (on a log scale), bisects up to the
+smallest count that fits if it does not, and then walks to the neighbour that is faster
+while one is. Every count planned is in the plan's explanation (kind "plan"), so a user
+sees what was weighed; `Auto(num_micro_batches=m)` plans exactly m.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+from alpa_lite.errors import MemoryBudgetError, PlanningError
+from alpa_lite.plan import Alternative, Choice, Explanation, Plan, PlanningStats
+from alpa_lite.plan.methods import Auto, Manual, megatron_grid
+from alpa_lite.progress import SEARCH, Progress, report
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One whole plan weighed: its label, the plan (None: none was made) and, where none
+    was, why (the planner's error)."""
+    label: str
+    pipelined: bool
+    plan: Plan | None
+    error: str = ""
+    memory: bool = False          # the error was the memory budget
+    peak_bytes: float = math.inf  # with it, the smallest peak the planner reached
+
+    @property
+    def time_s(self) -> float:
+        return self.plan.step_time_s if self.plan is not None else math.inf
+
+
+def micro_batch_counts(batch: int) -> tuple[int, ...]:
+    """The micro-batch counts a pipeline may split `batch` into: its divisors (1 included:
+    stages in sequence, which can still beat one stage where layers are small)."""
+    return tuple(m for m in range(1, batch + 1) if batch % m == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """How `search_auto` plans each kind of candidate, and what it may weigh: the
+    callbacks raise PlanningError (MemoryBudgetError where the budget is the reason) or
+    ValueError (the step cannot run at that micro-batch size) when no plan is made."""
+    plan_single: Callable[[], Plan]
+    plan_pipelined: Callable[[int], Plan]          # the stage DP's pipeline of m micro-batches
+    plan_textbook: Callable[[Manual], Plan]        # a Megatron-style layout, as given
+    num_devices: int
+    devices_per_node: int
+    budget_bytes: float
+
+
+def search_auto(method: Auto, batch: int | None, space: SearchSpace,
+                progress: Progress | None = None) -> Plan:
+    """The fastest plan that fits among one SPMD stage and pipelines (module docstring).
+
+    Args:
+      method: the user's `Auto`; its `pipeline` and `num_micro_batches` narrow the search.
+      batch: the step's batch size (None: no batch, nothing to split into micro-batches).
+      space: the planners of each candidate, the cluster's size and the memory budget.
+
+    Raises:
+      MemoryBudgetError: nothing weighed fits; the message names each candidate's reason
+        and the smallest peak reached.
+      PlanningError: the step can be planned neither way.
+    """
+    weighed: list[Candidate] = []
+    done = 0
+
+    def tick():
+        nonlocal done
+        done += 1
+        report(progress, SEARCH, done, 0)
+
+    if method.pipeline is not True and method.num_micro_batches is None:
+        try:
+            weighed.append(Candidate("one SPMD stage", False, space.plan_single()))
+        except PlanningError as e:
+            weighed.append(Candidate("one SPMD stage", False, None, str(e),
+                                     isinstance(e, MemoryBudgetError),
+                                     getattr(e, "peak_bytes", math.inf)))
+        tick()
+    pipelined: dict[int, Candidate] = {}
+
+    def pipeline(m: int) -> float:
+        if m not in pipelined:
+            try:
+                pipelined[m] = Candidate(f"pipeline, {m} micro-batches", True,
+                                         space.plan_pipelined(m))
+            except (PlanningError, ValueError) as e:
+                pipelined[m] = Candidate(f"pipeline, {m} micro-batches", True, None, str(e),
+                                         isinstance(e, MemoryBudgetError),
+                                         getattr(e, "peak_bytes", math.inf))
+            tick()
+        return pipelined[m].time_s
+
+    refusal = ""
+    if method.num_micro_batches is not None:
+        pipeline(method.num_micro_batches)
+    elif method.searches_pipelines and batch is not None:
+        counts = micro_batch_counts(batch)
+        if method.exhaustive:
+            for m in counts:
+                pipeline(m)
+        else:
+            refusal = _walk(counts, pipeline, pipelined)
+    weighed.extend(pipelined[m] for m in sorted(pipelined))
+    best_pipe = min((c for c in pipelined.values() if c.plan is not None),
+                    key=lambda c: c.time_s, default=None)
+    if best_pipe is not None and batch:
+        weighed.extend(_textbook(best_pipe.plan.pipeline.num_micro_batches, batch, space,
+                                 method.schedule or "1f1b", tick))
+    # Both planners return only plans whose whole-stage estimates fit the budget.
+    made = [c for c in weighed if c.plan is not None]
+    if not made:
+        raise _nothing_fits(weighed)
+    best = min(made, key=lambda c: (c.time_s, c.plan.pipeline is not None,
+                                         c.plan.pipeline.num_micro_batches
+                                         if c.plan.pipeline else 0))
+    return _with_choices(best, weighed, method, refusal)
+
+
+def _textbook(m: int, batch: int, space: SearchSpace, schedule: str,
+              tick) -> list[Candidate]:
+    """The Megatron-style pipelines (dp x tp x pp, layers split evenly, pp > 1) of the
+    chosen micro-batch count, planned beside the stage DP's: the DP sums per-micro-batch
+    stage times, and what it does not weigh (the optimizer update each stage runs on its
+    share of the parameters, the per-step gradient reductions) can make an even split
+    faster on the whole step, as single-stage `Auto` weighs the textbook meshes for the
+    same reason. Each with remat only where it does not fit without."""
+    out = []
+    for dp, tp, pp in megatron_grid(space.num_devices, space.devices_per_node):
+        if pp == 1 or (batch // m) % dp:
+            continue
+        for remat in (False, True):
+            label = f"Megatron dp={dp} tp={tp} pp={pp}, {m} micro-batches" + \
+                (", remat" if remat else "")
+            try:
+                plan = space.plan_textbook(Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=m,
+                                                  schedule=schedule, remat=remat))
+            except (PlanningError, ValueError) as e:
+                out.append(Candidate(label, True, None, str(e)))
+                tick()
+                break
+            tick()
+            if plan.peak_memory_bytes <= space.budget_bytes:
+                out.append(Candidate(label, True, plan))
+                break
+            out.append(Candidate(label, True, None, "does not fit the memory budget", True,
+                                 plan.peak_memory_bytes))
+    return out
+
+
+def _walk(counts: tuple[int, ...], pipeline: Callable[[int], float],
+          pipelined: dict[int, Candidate]) -> str:
+    """Plans the micro-batch counts the search visits (module docstring). Returns why
+    pipelines were given up ("" where they were not): a step the pipeline planner refuses
+    at the first count (no `al.value_and_grad`, batch statistics) is refused at all."""
+    if not counts:
+        return ""
+    n = len(counts)
+    i = n // 2
+    if math.isinf(pipeline(counts[i])) and not pipelined[counts[i]].memory:
+        # Refused, not over budget: the whole batch as one micro-batch says whether the
+        # step pipelines at all (a model may refuse small micro-batches only).
+        if math.isinf(pipeline(counts[0])):
+            first = pipelined[counts[0]]
+            return "" if first.memory else first.error
+        i = 0
+    if math.isinf(pipeline(counts[i])):
+        lo, hi = i + 1, n - 1
+        if lo > hi or math.isinf(pipeline(counts[hi])):
+            return ""
+        while lo < hi:     # the smallest count that fits: memory falls as m grows
+            mid = (lo + hi) // 2
+            if math.isinf(pipeline(counts[mid])):
+                lo = mid + 1
+            else:
+                hi = mid
+        i = lo
+    while True:            # to the faster neighbour, while there is one
+        here = pipeline(counts[i])
+        left = pipeline(counts[i - 1]) if i > 0 else math.inf
+        right = pipeline(counts[i + 1]) if i + 1 < n else math.inf
+        if min(left, right) >= here:
+            return ""
+        i = i - 1 if left < right else i + 1
+
+
+def _nothing_fits(weighed: list[Candidate]) -> PlanningError:
+    reasons = " | ".join(f"{c.label}: {c.error}" for c in weighed)
+    if weighed and all(c.memory for c in weighed):
+        return MemoryBudgetError(f"no plan fits the memory budget: {reasons}",
+                                 min(c.peak_bytes for c in weighed))
+    return PlanningError(f"no plan could be made: {reasons}")
+
+
+def _with_choices(best: Candidate, weighed: list[Candidate], method: Auto,
+                  refusal: str) -> Plan:
+    """`best.plan` with the user's method, the search's choices in front of the planner's
+    own, and every candidate in its explanation (kind "plan")."""
+    plan = best.plan
+    def runner_up(pred) -> Candidate | None:
+        others = [c for c in weighed if c is not best and pred(c)]
+        return min(others, key=lambda c: (c.plan is None, c.time_s), default=None)
+
+    def choice(what: str, value: str, other: Candidate | None, by_user: bool,
+               note: str = "") -> Choice:
+        if other is None:
+            return Choice(what, value, plan.step_time_s, by_user=by_user, note=note)
+        return Choice(what, value, plan.step_time_s, runner_up=other.label,
+                      runner_up_s=other.time_s if other.plan is not None else None,
+                      runner_up_fits=other.plan is not None,
+                      by_user=by_user, note=note or other.error[:200])
+
+    piped = plan.pipeline is not None
+    pipe_note = refusal and f"pipelines refused: {refusal[:300]}"
+    choices = [choice("pipeline",
+                      f"{len(plan.stages)} stage(s)" if piped else "no (one SPMD stage)",
+                      runner_up(lambda c: c.pipelined != piped),
+                      by_user=method.pipeline is not None or method.num_micro_batches is not None,
+                      note=pipe_note)]
+    if piped:
+        textbook = best.label.startswith("Megatron")
+        choices.append(choice(
+            "stages", best.label if textbook else "stage DP",
+            runner_up(lambda c: c.pipelined and c.label.startswith("Megatron") != textbook),
+            by_user=False))
+        m = plan.pipeline.num_micro_batches
+        tried = sorted(c.plan.pipeline.num_micro_batches for c in weighed
+                       if c.plan is not None and c.plan.pipeline is not None)
+        choices.append(choice("micro-batches", str(m),
+                              runner_up(lambda c: c.pipelined and c.plan is not None and
+                                        c.plan.pipeline.num_micro_batches != m
+                                        or c.label.startswith("pipeline") and c.plan is None),
+                              by_user=method.num_micro_batches is not None,
+                              note=f"planned m = {', '.join(map(str, tried))}"
+                              if len(tried) > 1 else ""))
+    alts = tuple(Alternative("plan", -1, c.label, c.time_s if c.plan is not None else 0.0,
+                             c.plan.peak_memory_bytes if c.plan is not None else 0.0,
+                             c.plan is not None, chosen=c is best) for c in weighed)
+    old = plan.explanation or Explanation()
+    # A Megatron layout's own choices were the search's, not the user's.
+    own = tuple(dataclasses.replace(c, by_user=c.what == "schedule" and method.schedule
+                                    is not None) for c in plan.choices)
+    return dataclasses.replace(
+        plan, method=method, choices=tuple(choices) + own,
+        explanation=dataclasses.replace(old, alternatives=alts + old.alternatives),
+        stats=_search_stats(plan.stats, [c.plan.stats for c in weighed if c.plan is not None],
+                            len(weighed)))
+
+
+def _search_stats(chosen: PlanningStats, made: list[PlanningStats],
+                  weighed: int) -> PlanningStats:
+    """The chosen plan's statistics with the work of every plan weighed added up (the
+    search is how the plan was found): ILP build and solve time, layer problems solved,
+    reused and read from the cache, stage-DP time."""
+    def total(name):
+        return sum(getattr(s, name) for s in made)
+    return dataclasses.replace(
+        chosen, build_s=total("build_s"), solve_s=total("solve_s"), dp_s=total("dp_s"),
+        layer_ilps=total("layer_ilps"), layer_ilps_reused=total("layer_ilps_reused"),
+        layer_cache_hits=total("layer_cache_hits"), plans_weighed=weighed)
