@@ -44,7 +44,7 @@ CASES = {
     "gpt-1.3b": ("gpt", "1.3B", 8, "8xH100", 5.0),
     "gpt-39b": ("gpt", "39B", 1024, "V100:64", 10.0),         # Alpa's 39B on 64 V100s
     "gpt-175b": ("gpt", "175B", 1536, "A100:1024", 60.0),     # Megatron's 175B, 1024 A100s
-    "gpt-1t": ("gpt", "1T", 3072, "A100:3072", 120.0),        # Megatron's 1T, 3072 A100s
+    "gpt-1t": ("gpt", "1008B", 3072, "A100:3072", 120.0),     # Megatron's 1T, 3072 A100s
 }
 # The Alpa paper's weak-scaling ladders (OSDI 2022, Table 4), on V100 nodes of 8.
 LADDERS = {

@@ -99,7 +99,7 @@ def test_the_planner_never_returns_a_stage_over_budget():
     # plan returned fits, or the error gives the smallest peak reached.
     loose = _plan(al.Auto(num_micro_batches=4), cluster="8xV100")
     peak = loose.peak_memory_bytes
-    for factor in (0.9, 0.7, 0.5, 0.3):
+    for factor in (0.8, 0.5, 0.3):
         budget = peak * factor
         try:
             plan = _plan(al.Auto(num_micro_batches=4, memory_budget_bytes=budget),
@@ -152,11 +152,11 @@ def test_identical_layers_are_solved_once():
 
 
 def test_fast_search_is_within_one_percent_of_the_exhaustive_one():
-    fast = _plan(al.Auto(), batch=8)
-    full = _plan(al.Auto(exhaustive=True), batch=8)
+    fast = _plan(al.Auto(), batch=4)
+    full = _plan(al.Auto(exhaustive=True), batch=4)
     labels = [a.label for a in full.explanation.alternatives if a.kind == "plan"]
     # Every divisor of the batch was planned.
-    assert {f"pipeline, {m} micro-batches" for m in (1, 2, 4, 8)} <= set(labels)
+    assert {f"pipeline, {m} micro-batches" for m in (1, 2, 4)} <= set(labels)
     assert fast.step_time_s <= full.step_time_s * 1.01
 
 
@@ -165,25 +165,26 @@ def test_disk_cache_makes_a_second_plan_instant_and_a_new_cluster_reuses_layers(
     monkeypatch.setenv("ALPA_LITE_CACHE", "on")
     monkeypatch.setenv("ALPA_LITE_CACHE_DIR", str(tmp_path))
     method = al.Auto(num_micro_batches=2)
-    first = _plan(method, cluster="8x8xV100")
+    base = al.Cluster.preset("8x8xV100")
+    four = dataclasses.replace(base, name="4x8xV100", num_nodes=4)
+
+    def plan_on(cluster):
+        step = al.parallelize(gpt.make_train_step(CFG, TX), method=method)
+        return step.plan(*gpt.abstract_args(CFG, 8, TX), cluster=cluster)
+
+    first = plan_on(four)
     assert not first.stats.plan_cache_hit and first.stats.layer_ilps > 0
     t0 = time.perf_counter()
-    again = _plan(method, cluster="8x8xV100")
+    again = plan_on(four)
     assert again.stats.plan_cache_hit and again == first
     assert time.perf_counter() - t0 < 60      # a trace and a file read (not a timing claim)
     # Fewer nodes of the same GPUs: the layer solutions on meshes that still exist are
     # read back (the Megatron layouts of the new grid are new problems), and the plan is
     # the one planned without the cache.
-    smaller = dataclasses.replace(al.Cluster.preset("8x8xV100"), name="4x8xV100",
-                                  num_nodes=4)
-
-    def plan_smaller():
-        step = al.parallelize(gpt.make_train_step(CFG, TX), method=method)
-        return step.plan(*gpt.abstract_args(CFG, 8, TX), cluster=smaller)
-
-    plan = plan_smaller()
+    two = dataclasses.replace(base, name="2x8xV100", num_nodes=2)
+    plan = plan_on(two)
     monkeypatch.setenv("ALPA_LITE_CACHE", "off")
-    cold = plan_smaller()
+    cold = plan_on(two)
     monkeypatch.setenv("ALPA_LITE_CACHE", "on")
     assert plan.stats.layer_cache_hits > 0
     assert plan.stats.layer_ilps + plan.stats.layer_cache_hits <= cold.stats.layer_ilps
@@ -192,7 +193,7 @@ def test_disk_cache_makes_a_second_plan_instant_and_a_new_cluster_reuses_layers(
     # A corrupt entry is a miss, not an error.
     for f in (tmp_path / "plans").iterdir():
         f.write_text("{not json")
-    assert not _plan(method, cluster="8x8xV100").stats.plan_cache_hit
+    assert not plan_on(four).stats.plan_cache_hit
 
 
 def test_cli_ctrl_c_stops_planning_cleanly(tmp_path):

@@ -121,8 +121,8 @@ def search_auto(method: Auto, batch: int | None, space: SearchSpace,
     best_pipe = min((c for c in pipelined.values() if c.plan is not None),
                     key=lambda c: c.time_s, default=None)
     if best_pipe is not None and batch:
-        weighed.extend(_textbook(best_pipe.plan.pipeline.num_micro_batches, batch, space,
-                                 method.schedule or "1f1b", tick))
+        weighed.extend(_textbook(best_pipe.plan, batch, space, method.schedule or "1f1b",
+                                 tick))
     # Both planners return only plans whose whole-stage estimates fit the budget.
     made = [c for c in weighed if c.plan is not None]
     if not made:
@@ -133,17 +133,21 @@ def search_auto(method: Auto, batch: int | None, space: SearchSpace,
     return _with_choices(best, weighed, method, refusal)
 
 
-def _textbook(m: int, batch: int, space: SearchSpace, schedule: str,
+def _textbook(dp_plan: Plan, batch: int, space: SearchSpace, schedule: str,
               tick) -> list[Candidate]:
-    """The Megatron-style pipelines (dp x tp x pp, layers split evenly, pp > 1) of the
-    chosen micro-batch count, planned beside the stage DP's: the DP sums per-micro-batch
-    stage times, and what it does not weigh (the optimizer update each stage runs on its
-    share of the parameters, the per-step gradient reductions) can make an even split
-    faster on the whole step, as single-stage `Auto` weighs the textbook meshes for the
-    same reason. Each with remat only where it does not fit without."""
+    """The Megatron-style pipelines (dp x tp x pp, layers split evenly) of the stage DP's
+    best micro-batch count, with at least its number of stages, planned beside it.
+
+    The DP is exact on what it weighs (per-micro-batch stage latencies, and an even split
+    on Megatron's meshes is in its space), so a textbook layout can only win on what it
+    does not: the optimizer update, which each stage runs on its share of the parameters,
+    and the once-per-step gradient reductions, which both shrink as stages are added. As
+    single-stage `Auto` weighs the textbook meshes for the same reason. Each with remat
+    only where it does not fit without."""
+    m = dp_plan.pipeline.num_micro_batches
     out = []
     for dp, tp, pp in megatron_grid(space.num_devices, space.devices_per_node):
-        if pp == 1 or (batch // m) % dp:
+        if pp == 1 or pp < len(dp_plan.stages) or (batch // m) % dp:
             continue
         for remat in (False, True):
             label = f"Megatron dp={dp} tp={tp} pp={pp}, {m} micro-batches" + \

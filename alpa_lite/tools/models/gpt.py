@@ -78,9 +78,9 @@ CONFIGS: dict[str, Config] = {
     "39B": _gpt(8192, 48, 64),
     # GPT-3 (Brown et al., 2020, Table 2.1: 96 layers, d_model 12288, 96 heads, context 2048).
     "175B": dataclasses.replace(_gpt(12288, 96, 96), seq_len=2048),
-    # Megatron-LM's 1T model (Narayanan et al., SC21, Table 1: 1008B, 128 layers, hidden
+    # Megatron-LM's "1T" model (Narayanan et al., SC21, Table 1: 1008B, 128 layers, hidden
     # 25600, 160 heads, sequence 2048).
-    "1T": dataclasses.replace(_gpt(25600, 128, 160), seq_len=2048),
+    "1008B": dataclasses.replace(_gpt(25600, 128, 160), seq_len=2048),
 }
 
 
