@@ -50,8 +50,9 @@ class Auto:
         chooses 1..N pipeline stages, their layers, their submeshes and logical meshes,
         and whether each stage recomputes its activations. None: chosen among the divisors
         of the batch (`planning.auto_search`).
-      schedule: the pipeline schedule, "1f1b" or "gpipe"; None: chosen (GPipe only where
-        it is faster and still fits, since it holds every micro-batch's activations).
+      schedule: the pipeline schedule, "1f1b" or "gpipe"; None: 1F1B is planned and GPipe
+        weighed on the same stages (`Plan.choices` gives its simulated time and peak
+        memory; it holds every micro-batch's activations on every stage).
       num_layers: layers the loss function is clustered into for the stage DP (None:
         chosen automatically, or the `al.mark_layer_boundary` calls when present).
       max_stages: at most this many pipeline stages (None: no limit beyond layers and

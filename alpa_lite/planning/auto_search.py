@@ -38,6 +38,7 @@ class Candidate:
     error: str = ""
     memory: bool = False          # the error was the memory budget
     peak_bytes: float = math.inf  # with it, the smallest peak the planner reached
+    micro_batches: int = 0        # the stage DP's pipelines: their count (0: other kinds)
 
     @property
     def time_s(self) -> float:
@@ -97,13 +98,15 @@ def search_auto(method: Auto, batch: int | None, space: SearchSpace,
 
     def pipeline(m: int) -> float:
         if m not in pipelined:
+            label = f"pipeline, {m} micro-batches"
             try:
-                pipelined[m] = Candidate(f"pipeline, {m} micro-batches", True,
-                                         space.plan_pipelined(m))
+                pipelined[m] = Candidate(label, True, space.plan_pipelined(m), micro_batches=m)
             except (PlanningError, ValueError) as e:
-                pipelined[m] = Candidate(f"pipeline, {m} micro-batches", True, None, str(e),
+                # ValueError: the model itself refuses this micro-batch size while it is
+                # traced (e.g. a group norm whose groups do not divide it).
+                pipelined[m] = Candidate(label, True, None, str(e),
                                          isinstance(e, MemoryBudgetError),
-                                         getattr(e, "peak_bytes", math.inf))
+                                         getattr(e, "peak_bytes", math.inf), micro_batches=m)
             tick()
         return pipelined[m].time_s
 
@@ -244,12 +247,9 @@ def _with_choices(best: Candidate, weighed: list[Candidate], method: Auto,
             runner_up(lambda c: c.pipelined and c.label.startswith("Megatron") != textbook),
             by_user=False))
         m = plan.pipeline.num_micro_batches
-        tried = sorted(c.plan.pipeline.num_micro_batches for c in weighed
-                       if c.plan is not None and c.plan.pipeline is not None)
+        tried = sorted(c.micro_batches for c in weighed if c.micro_batches)
         choices.append(choice("micro-batches", str(m),
-                              runner_up(lambda c: c.pipelined and c.plan is not None and
-                                        c.plan.pipeline.num_micro_batches != m
-                                        or c.label.startswith("pipeline") and c.plan is None),
+                              runner_up(lambda c: c.micro_batches not in (0, m)),
                               by_user=method.num_micro_batches is not None,
                               note=f"planned m = {', '.join(map(str, tried))}"
                               if len(tried) > 1 else ""))

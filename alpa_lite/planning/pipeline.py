@@ -575,12 +575,14 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
 
 def _schedule_choice(planner: PipelinePlanner, method, progs, costs, stages, timings,
                      sim, m: int, by_user: bool) -> Choice:
-    """The schedule against the other one on the same stages: its simulated pipeline and,
-    for GPipe, every stage holding all m micro-batches' activations.
+    """The schedule against the other one on the same stages: its simulated pipeline and
+    its peak memory (GPipe: every stage holding all m micro-batches' activations).
 
-    1F1B is planned. Under this cost model GPipe runs the same work with the same bubble,
-    so it cannot be faster, and it holds more micro-batches in flight: it is weighed here,
-    not planned, and the record says by how much it lost."""
+    Only the method's schedule is planned (`Auto` with none set plans 1F1B: the stage DP's
+    memory model is 1F1B's, where a stage holds at most its distance to the end in
+    micro-batches). The other is re-simulated on the chosen stages and its figures given
+    in the note: GPipe can simulate a little faster (its forwards run back to back), but
+    it holds m micro-batches per stage, which is why it is not the default."""
     other = "gpipe" if method.schedule == "1f1b" else "1f1b"
     other_sim = simulate(timings, m, schedule_from_name(other))
     budget = (method.memory_budget_bytes if isinstance(method, Auto) else None) or \
