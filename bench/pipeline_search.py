@@ -5,7 +5,7 @@ For each case (model, GPUs) the cluster is the first GPUs of the `8x8xV100` pres
 up to 8 GPUs, then whole nodes); models run in float16 as in Alpa's V100 benchmarks. Every
 plan is made from `jax.ShapeDtypeStruct`s: nothing is allocated, nothing runs.
 
-- auto: `Auto(num_micro_batches=m)` for each m in the micro-batch set, and `Auto()` (one
+- auto: `Auto(num_micro_batches=m)` for each m in the micro-batch set, and `Auto(pipeline=False)` (one
   SPMD stage without micro-batches, planned like Manual(pp=1, m=1)); the fastest estimated
   step is reported, with the wall time of that one planning call and its phases.
 - megatron: every `Manual(dp, tp, pp, num_micro_batches=m)` with dp x tp x pp = GPUs, tp
@@ -97,7 +97,8 @@ def run_case(name, size, gpus, batch, micro_batches, device="V100", grid=True):
     # counterpart of Manual(pp=1, m=1), which the grid plans the same way.
     for m in ([None] if grid else []) + list(micro_batches):
         try:
-            plan, wall = plan_once(mod, cfg, batch, al.Auto(num_micro_batches=m), cluster)
+            method = al.Auto(num_micro_batches=m) if m else al.Auto(pipeline=False)
+            plan, wall = plan_once(mod, cfg, batch, method, cluster)
         except (al.PlanningError, ValueError) as e:   # e.g. a micro-batch the model refuses
             print(f"  auto m={m}: {e}"[:200])
             continue

@@ -7,7 +7,7 @@ its `main` hands the module to `run_example`, which does the rest:
     python examples/gpt.py                               # tiny GPT, auto plan, 5 steps on CPU
     python examples/gpt.py --method manual --dp 4 --tp 2
     python examples/gpt.py --method manual --dp 2 --tp 2 --pp 2 --micro-batches 4
-    python examples/gpt.py --micro-batches 4             # auto, with the pipeline search
+    python examples/gpt.py --micro-batches 4             # auto, pipelined with 4 micro-batches
     python examples/gpt.py --size 2.6B --plan-only --cluster 8xA100 --batch-size 32
                                                        # plan only, nothing allocated
 
@@ -95,9 +95,9 @@ def build_parser(module: ModuleType) -> argparse.ArgumentParser:
                         help="pipeline stages for --method manual (default: %(default)s)")
     parser.add_argument("--micro-batches", type=int, default=None,
                         help="micro-batches per step: pipelines the step (manual: default 1; "
-                             "auto: turns on the inter-op search)")
-    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"),
-                        help="pipeline schedule (default: %(default)s)")
+                             "auto: exactly this many; default: the planner chooses)")
+    parser.add_argument("--schedule", default=None, choices=("1f1b", "gpipe"),
+                        help="pipeline schedule (default: auto chooses, manual uses 1f1b)")
     parser.add_argument("--remat", action="store_true",
                         help="recompute activations in the backward (--method manual)")
     parser.add_argument("--distributed", action="store_true",
@@ -147,7 +147,7 @@ def make_method(args: argparse.Namespace, num_devices: int) -> Any:
         return al.DataParallel()
     dp = args.dp if args.dp is not None else max(1, num_devices // (args.tp * args.pp))
     return al.Manual(dp=dp, tp=args.tp, pp=args.pp, num_micro_batches=args.micro_batches or 1,
-                     schedule=args.schedule, remat=args.remat)
+                     schedule=args.schedule or "1f1b", remat=args.remat)
 
 
 def run_example(module: ModuleType, argv: Sequence[str] | None = None) -> None:
