@@ -1,4 +1,5 @@
-"""How long `step.plan(...)` takes with `al.Auto()` and nothing set, per model x cluster.
+"""How long `step.plan(...)` takes with `al.Auto()` and nothing set, per model x cluster
+(and, for the "-one-stage" case, `Auto(pipeline=False)`).
 
 Every timing is one whole `step.plan(*abstract_args, cluster=...)` call in a fresh
 process (a fresh `al.parallelize`, nothing reused in memory), with the disk cache off
@@ -42,6 +43,8 @@ import _common  # noqa: E402
 # name -> (example module, size, global batch, cluster, float16 on V100s, target s)
 CASES = {
     "gpt-1.3b": ("gpt", "1.3B", 8, "8xH100", 5.0),
+    # The issue's "single stage" target: Auto(pipeline=False).
+    "gpt-1.3b-one-stage": ("gpt", "1.3B", 8, "8xH100", 5.0),
     "gpt-39b": ("gpt", "39B", 1024, "V100:64", 10.0),         # Alpa's 39B on 64 V100s
     "gpt-175b": ("gpt", "175B", 1536, "A100:1024", 60.0),     # Megatron's 175B, 1024 A100s
     "gpt-1t": ("gpt", "1008B", 3072, "A100:3072", 120.0),     # Megatron's 1T, 3072 A100s
@@ -88,8 +91,9 @@ def worker(spec: dict) -> dict:
     if cluster.device.name.startswith("V100"):   # V100s have no bfloat16 (Alpa used fp16)
         cfg = dataclasses.replace(cfg, dtype="float16")
     tx = optax.adamw(1e-4)
-    step = al.parallelize(mod.make_train_step(cfg, tx),
-                          method=al.Auto(exhaustive=spec.get("exhaustive", False)))
+    method = al.Auto(exhaustive=spec.get("exhaustive", False),
+                     pipeline=False if spec.get("one_stage") else None)
+    step = al.parallelize(mod.make_train_step(cfg, tx), method=method)
     args = mod.abstract_args(cfg, spec["batch"], tx)
     t0 = time.perf_counter()
     try:
@@ -200,7 +204,8 @@ def main() -> None:
     rows = []
     for name in cases:
         module, size, batch, cluster, target = CASES[name]
-        spec = {"module": module, "size": size, "batch": batch, "cluster": cluster}
+        spec = {"module": module, "size": size, "batch": batch, "cluster": cluster,
+                "one_stage": name.endswith("-one-stage")}
         rows.append(measure(name, spec, args.repeats, args.limit, False) | {"target_s": target})
     ladders = {}
     for name in args.ladder:
