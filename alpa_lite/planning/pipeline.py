@@ -14,7 +14,13 @@
 
 A stage's estimate is its forward+backward ILP objective for one micro-batch (compute and
 the collectives its shardings imply); the step time is the schedule simulator's, with the
-activation transfers between stages.
+activation transfers between stages, and the optimizer update each stage runs on its share
+(priced per fused kernel, as the single-stage planner prices it).
+
+An Auto pipeline is returned only when every stage's whole-stage memory estimate fits: a
+stage that overshoots sends the stage DP back with its budget lowered by the overshoot
+(`_auto_stages`). Layer solutions are memoised by structure within a plan and kept on
+disk across plans (`planning.cache`).
 """
 
 from __future__ import annotations

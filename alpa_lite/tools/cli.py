@@ -285,35 +285,15 @@ def cmd_plan(args) -> int:
                          "file.py:make_step")
     cluster = _cluster(args.cluster)
     target = _target(args, cluster)
-    methods = _method(args, cluster.num_devices)
+    _, method = _method(args, cluster.num_devices)[0]
     batch = target.batch_size
-    if len(methods) > 1:   # the default auto: every micro-batch count that divides the batch
-        methods = [(label, m) for label, m in methods
-                   if m.num_micro_batches is None or batch % m.num_micro_batches == 0]
-    base = ParallelizedStep(target.step_fn, methods[0][1], None, target.batch_argnums)
-    plans, failures = [], []
+    step = ParallelizedStep(target.step_fn, method, None, target.batch_argnums)
     with _ProgressDisplay(args.verbose) as progress:
-        for label, method in methods:
-            try:
-                plan = base.with_method(method).plan(*target.args, cluster=cluster,
-                                                     progress=progress)
-            except PlanningError as e:
-                failures.append(f"{label}: {e}")
-                continue
-            plans.append((label, plan))
-    fits = [(lbl, p) for lbl, p in plans if p.peak_memory_bytes <= cluster.device.memory_bytes]
-    if not plans:
-        raise PlanningError(" | ".join(failures))
-    label, plan = min(fits or plans, key=lambda lp: lp[1].step_time_s)
+        plan = step.plan(*target.args, cluster=cluster, progress=progress)
     old = plan.explanation
     plan = _with_source(plan, Explanation(old.alternatives if old else (), target.source))
     out.print(f"{target.name}: batch {batch}, planned for {cluster.name} "
               f"({cluster.num_devices} devices)", markup=False)
-    if len(methods) > 1:
-        tried = ", ".join(f"{lbl} {p.step_time_s * 1e3:.4g} ms"
-                          f"{'' if (lbl, p) in fits else ' (does not fit)'}" for lbl, p in plans)
-        out.print(f"auto: tried {tried}" + (f"; no plan: {len(failures)}" if failures else "")
-                  + f"; kept {label}", markup=False)
     out.print(brief_text(plan), markup=False, highlight=False)
     if args.output:
         pathlib.Path(args.output).write_text(plan.to_json())

@@ -23,7 +23,7 @@ from alpa_lite.cost_models.pipeline_schedule import (
 )
 from alpa_lite.plan import Plan
 from alpa_lite.plan.methods import describe
-from alpa_lite.plan.text import fmt_bytes, fmt_time
+from alpa_lite.plan.text import choices_table, fmt_bytes, fmt_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,4 +169,6 @@ def brief_text(plan: Plan) -> str:
     console.print(table)
     if plan.pipeline is not None:
         console.print("(pipelined: compute and comm per micro-batch, forward + backward)")
+    if plan.choices:
+        console.print(choices_table(plan))
     return buf.getvalue()
