@@ -1,18 +1,20 @@
 """`Auto()` with nothing set: one SPMD stage or a pipeline, and how many micro-batches.
 
-`search_auto(method, batch, plan_single, plan_pipelined)` weighs the single-stage plan
-(`planning.spmd`) against pipelined plans (`planning.pipeline`) over the micro-batch
-counts that divide the batch, and returns the fastest plan that fits the memory budget,
-with `Plan.choices` saying what was chosen and the runner-up it beat. Inside each
-candidate the planners choose the rest (stages, meshes, remat, schedule, shardings).
+`search_auto(method, batch, space)` weighs the single-stage plan (`planning.spmd`) against
+the stage DP's pipelines (`planning.pipeline`) over the micro-batch counts that divide the
+batch, and the Megatron dp x tp x pp layouts of the best count (`_textbook`), and returns
+the fastest plan on the whole-step estimate that fits the memory budget, with
+`Plan.choices` saying what was chosen and the runner-up it beat. Inside each candidate the
+planners choose the rest (stages, meshes, remat, shardings). The module knows nothing of
+JAX: `SearchSpace` holds the planners as callbacks.
 
 Which micro-batch counts are planned. A pipelined plan costs a trace at the micro-batch
 size and a stage search, so the counts are not all planned. Memory only falls as m grows
 (each micro-batch holds fewer activations), and the estimated step first falls (a smaller
 bubble) then rises (smaller, less efficient kernels, more per-micro-batch overheads). The
-search therefore starts in the middle of the divisors (on a log scale), bisects up to the
-smallest count that fits if it does not, and then walks to the neighbour that is faster
-while one is. Every count planned is in the plan's explanation (kind "plan"), so a user
+search therefore starts at the middle divisor (for a power of two, the middle on a log
+scale), bisects up to the smallest count that fits if it does not, and then walks to the
+neighbour that is faster while one is. Every count planned is in the plan's explanation (kind "plan"), so a user
 sees what was weighed; `Auto(num_micro_batches=m)` plans exactly m.
 """
 
@@ -159,7 +161,9 @@ def _textbook(dp_plan: Plan, batch: int, space: SearchSpace, schedule: str,
                 plan = space.plan_textbook(Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=m,
                                                   schedule=schedule, remat=remat))
             except (PlanningError, ValueError) as e:
-                out.append(Candidate(label, True, None, str(e)))
+                out.append(Candidate(label, True, None, str(e),
+                                     isinstance(e, MemoryBudgetError),
+                                     getattr(e, "peak_bytes", math.inf)))
                 tick()
                 break
             tick()
