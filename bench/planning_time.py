@@ -191,6 +191,8 @@ def main() -> None:
     ap.add_argument("--exhaustive", action="store_true",
                     help=f"also Auto(exhaustive=True) on ladder rungs up to "
                          f"{EXHAUSTIVE_MAX_GPUS} GPUs")
+    ap.add_argument("--max-gpus", type=int, default=None,
+                    help="ladders: only the rungs with at most this many GPUs")
     ap.add_argument("--repeats", type=int, default=REPEATS)
     ap.add_argument("--limit", type=float, default=LIMIT_S, help="seconds per plan")
     ap.add_argument("--out", type=Path, default=_common.RESULTS_DIR / "planning_time.json")
@@ -211,6 +213,8 @@ def main() -> None:
     for name in args.ladder:
         rungs = []
         for size, gpus in LADDERS[name]:
+            if args.max_gpus is not None and gpus > args.max_gpus:
+                continue
             spec = {"module": name, "size": size, "batch": LADDER_BATCH[name],
                     "cluster": f"V100:{gpus}"}
             rungs.append(measure(f"{name}-{size}/{gpus}", spec, args.repeats, args.limit,
