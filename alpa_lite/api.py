@@ -187,34 +187,31 @@ class ParallelizedStep:
                     "compression, or draw per example (jax.random.fold_in(key, index))")
             return make_compressed_plan(traced, self.method, cluster, self.compression,
                                         workers.loss_scale, names)
-        if pipelined and not isinstance(self.method, Auto):
-            return make_pipeline_plan(self.parts(*args), self.method, cluster,
-                                      traced.fingerprint, traced.input_avals, names,
-                                      progress=progress)
         if not isinstance(self.method, Auto):
+            if pipelined:
+                return make_pipeline_plan(self.parts(*args), self.method, cluster,
+                                          traced.fingerprint, traced.input_avals, names,
+                                          progress=progress)
             return make_plan(traced, self.method, cluster, tensor_names=names, progress=progress)
 
-        def pipelined_plan(m: int) -> Plan:
-            parts = self.parts(*args, num_micro_batches=m)
+        def pipeline_plan(method: Auto | Manual) -> Plan:
+            """A pipeline of `method.num_micro_batches` micro-batches; a Manual layout is
+            weighed by the search, which judges its memory (no warning)."""
+            parts = self.parts(*args, num_micro_batches=method.num_micro_batches)
             outer = parts.outer
-            return make_pipeline_plan(parts, dataclasses.replace(self.method,
-                                                                 num_micro_batches=m),
-                                      cluster, outer.fingerprint, outer.input_avals,
-                                      outer_names_of(outer), progress=progress)
-
-        def textbook_plan(manual: Manual) -> Plan:
-            parts = self.parts(*args, num_micro_batches=manual.num_micro_batches)
-            outer = parts.outer
-            with warnings.catch_warnings():   # over budget is the search's to judge
-                warnings.simplefilter("ignore")
-                return make_pipeline_plan(parts, manual, cluster, outer.fingerprint,
+            with warnings.catch_warnings():
+                if isinstance(method, Manual):
+                    warnings.simplefilter("ignore")
+                return make_pipeline_plan(parts, method, cluster, outer.fingerprint,
                                           outer.input_avals, outer_names_of(outer),
                                           progress=progress)
 
         space = SearchSpace(
             plan_single=lambda: make_plan(traced, self.method, cluster, tensor_names=names,
                                           progress=progress),
-            plan_pipelined=pipelined_plan, plan_textbook=textbook_plan,
+            plan_pipelined=lambda m: pipeline_plan(
+                dataclasses.replace(self.method, num_micro_batches=m)),
+            plan_textbook=pipeline_plan,
             num_devices=cluster.num_devices, devices_per_node=cluster.devices_per_node,
             budget_bytes=self.method.memory_budget_bytes or cluster.device.memory_bytes)
         return search_auto(self.method, _batch_size(traced), space, progress)

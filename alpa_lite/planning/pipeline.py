@@ -25,6 +25,7 @@ disk across plans (`planning.cache`).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import math
@@ -820,6 +821,8 @@ def _layer_options(planner: PipelinePlanner, prog: StageProgram, mesh: LogicalMe
     memoised per layer structure, so the sharding tables name the first such layer's
     tensors."""
     key = (planner.reuse_key(prog), mesh.shape, mesh.axis_names)
+    # Every layer asks for its fastest plan; an identical layer's solve answers it.
+    planner.asked.add((id(prog), mesh.shape, mesh.axis_names, None, False))
     if key not in planner.options:
         fast = planner.cost(prog, mesh, None)
         lean = fast
@@ -838,8 +841,13 @@ def _lean_cannot_help(planner: PipelinePlanner, progs, mesh: LogicalMesh, in_fli
     """Whether every layer's fastest plan on `mesh`, all of them in one stage holding
     `in_flight` micro-batches, fits `budget`: then no stage on this mesh needs the
     memory-lean option (never faster, it only saves memory), and it is not solved."""
-    fast = [planner.cost(prog, mesh, None) for prog in progs]
-    need = sum(c.param_bytes for c in fast) + in_flight * sum(c.act_bytes for c in fast)
+    # Identical layers share one plan: look each structure up once, weighted by its count.
+    count = collections.Counter(planner.reuse_key(prog) for prog in progs)
+    first = {planner.reuse_key(prog): prog for prog in reversed(progs)}
+    need = 0.0
+    for key, n in count.items():
+        c = planner.cost(first[key], mesh, None)
+        need += n * (c.param_bytes + in_flight * c.act_bytes)
     return need <= budget
 
 

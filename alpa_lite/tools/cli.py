@@ -237,7 +237,7 @@ def clusters_table() -> Table:
 
 
 def _method(args, num_devices: int):
-    """The method(s) the plan command asks for: a list of (label, method)."""
+    """The method the plan command asks for."""
     from alpa_lite.plan.methods import Auto, DataParallel, Manual
     if args.method != "manual" and (args.dp or args.tp or args.pp or args.remat):
         raise UsageError(f"--dp/--tp/--pp/--remat set the layout of --method manual, not "
@@ -248,7 +248,7 @@ def _method(args, num_devices: int):
     if args.method == "dp":
         if m not in (None, "auto", "none", 1):
             raise UsageError("--micro-batches needs --method auto or manual")
-        return [("dp", DataParallel(shard_optimizer_state=args.zero))]
+        return DataParallel(shard_optimizer_state=args.zero)
     if args.method == "manual":
         if m in ("auto", "none"):
             raise UsageError("--method manual takes a number of --micro-batches")
@@ -258,22 +258,20 @@ def _method(args, num_devices: int):
             raise UsageError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} devices, but "
                              f"the cluster has {num_devices}; choose degrees whose product is "
                              f"{num_devices}")
-        return [("manual", Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=m or 1,
-                                  schedule=args.schedule or "1f1b", remat=args.remat))]
+        return Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=m or 1,
+                      schedule=args.schedule or "1f1b", remat=args.remat)
     if m == "none":
         if args.schedule is not None:
             raise UsageError("--schedule is for pipelines; --micro-batches none plans one "
                              "SPMD stage")
-        return [("auto", Auto(pipeline=False))]
-    if isinstance(m, int):
-        return [(f"auto m={m}", Auto(num_micro_batches=m, schedule=args.schedule))]
-    # The planner weighs one SPMD stage against pipelines over the micro-batch counts.
-    return [("auto", Auto(schedule=args.schedule))]
+        return Auto(pipeline=False)
+    # A number pipelines with exactly that many micro-batches; without one the planner
+    # weighs one SPMD stage against pipelines over the micro-batch counts.
+    return Auto(num_micro_batches=m if isinstance(m, int) else None, schedule=args.schedule)
 
 
 def cmd_plan(args) -> int:
     from alpa_lite.api import ParallelizedStep
-    from alpa_lite.errors import PlanningError
     from alpa_lite.plan import Explanation
     from alpa_lite.tools.report import brief_text
     out = _stdout()
@@ -285,14 +283,13 @@ def cmd_plan(args) -> int:
                          "file.py:make_step")
     cluster = _cluster(args.cluster)
     target = _target(args, cluster)
-    _, method = _method(args, cluster.num_devices)[0]
-    batch = target.batch_size
+    method = _method(args, cluster.num_devices)
     step = ParallelizedStep(target.step_fn, method, None, target.batch_argnums)
     with _ProgressDisplay(args.verbose) as progress:
         plan = step.plan(*target.args, cluster=cluster, progress=progress)
     old = plan.explanation
     plan = _with_source(plan, Explanation(old.alternatives if old else (), target.source))
-    out.print(f"{target.name}: batch {batch}, planned for {cluster.name} "
+    out.print(f"{target.name}: batch {target.batch_size}, planned for {cluster.name} "
               f"({cluster.num_devices} devices)", markup=False)
     out.print(brief_text(plan), markup=False, highlight=False)
     if args.output:
