@@ -101,11 +101,19 @@ class ParallelizedStep:
             p = self.fixed_plan.pipeline
             return None if p is None else p.num_micro_batches
         m = self.method
-        if isinstance(m, Manual) and m.pipelined:
+        if isinstance(m, Manual) and (m.pipelined or self._compresses_hybrid()):
             return m.num_micro_batches
         if isinstance(m, Auto) and m.num_micro_batches is not None:
             return m.num_micro_batches
         return None
+
+    def _compresses_hybrid(self) -> bool:
+        """Compression on the data-parallel axis of a plan with tensor or pipeline
+        parallelism: planned and run as a pipeline (of one stage where pp = 1) whose
+        stages exchange their accumulated gradients compressed (`StagePlan.exchange`)."""
+        m = self.method
+        return self.compression is not None and isinstance(m, Manual) and \
+            (m.tp > 1 or m.pipelined)
 
     def parts(self, *args, num_micro_batches: int | None = None) -> StepParts:
         """The step split for pipelining (loss function per micro-batch, apply part), into
@@ -160,15 +168,20 @@ class ParallelizedStep:
     def _make_plan(self, args, traced: TracedStep, cluster: Cluster, pipelined: bool,
                    progress: Progress | None) -> Plan:
         names = outer_names_of(traced)
+        if self.compression is not None and self._compresses_hybrid():
+            return make_pipeline_plan(self.parts(*args), self.method, cluster,
+                                      traced.fingerprint, traced.input_avals, names,
+                                      progress=progress, compression=self.compression)
         if self.compression is not None:
             if pipelined:
-                # Compressed exchange runs on a data-parallel plan only (for now): refuse
-                # rather than run the pipeline uncompressed.
+                # Auto(num_micro_batches=...): refuse rather than run the pipeline
+                # uncompressed.
                 raise PlanningError(
                     f"compression={self.compression!r} with the pipelined method "
-                    f"{self.method!r}: gradient compression runs on data-parallel plans "
-                    "(al.DataParallel() or al.Auto() without num_micro_batches); drop the "
-                    "pipeline or the compression")
+                    f"{self.method!r}: compressed pipelines are planned from a layout, "
+                    "al.Manual(dp=..., tp=..., pp=..., num_micro_batches=...) with dp > 1, "
+                    "or chosen by al.Auto() without num_micro_batches; drop the "
+                    "num_micro_batches or the compression")
             # Workers are to the batch what micro-batches are: the same check proves
             # the loss combines exactly (a mean or a sum over examples).
             try:
@@ -338,6 +351,7 @@ def parallelize(fn: Callable | None = None, *, method: Method | None = None,
       batch_argnums: positional arguments holding the batch (default: the last one).
       compression: how data-parallel gradients travel: a compressor from
         `alpa_lite.compression` (e.g. `PowerSGD(rank=4)`), `DelayedAveraging(delay=D)`,
+        `LocalSGD(every=H)` (parameters averaged every H steps),
         `AutoCompression(allow=...)` or "auto" (the planner chooses among the allowed
         methods and none; plain "auto" allows no lossy method). None: the plan's own
         collectives, uncompressed.
@@ -382,7 +396,9 @@ def _compression_setting(compression):
                              "'auto'; pass a compressor such as "
                              "alpa_lite.compression.PowerSGD(rank=4)")
         return C.AutoCompression()
-    if isinstance(compression, (C.Compressor, C.DelayedAveraging, C.AutoCompression)):
+    if isinstance(compression, (C.Compressor, C.DelayedAveraging, C.LocalSGD,
+                                C.AutoCompression)):
         return compression
     raise TypeError(f"compression must be a compressor from alpa_lite.compression, "
-                    f"DelayedAveraging, AutoCompression or 'auto', got {compression!r}")
+                    f"DelayedAveraging, LocalSGD, AutoCompression or 'auto', got "
+                    f"{compression!r}")

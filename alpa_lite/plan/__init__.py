@@ -19,10 +19,11 @@ from alpa_lite.plan.plan import (
                                  PipelineSpec,
                                  Plan,
                                  PlanningStats,
+                                 StageExchange,
                                  StagePlan,
                                  SyncCollective,
 )
 
 __all__ = ["PLAN_FORMAT", "Accumulation", "Alternative", "Choice", "CollectiveSummary",
            "CompressionSpec", "Explanation", "GradientSync", "InputPlacement", "PipelineSpec", "Plan",
-           "PlanningStats", "StagePlan", "SyncCollective"]
+           "PlanningStats", "StageExchange", "StagePlan", "SyncCollective"]

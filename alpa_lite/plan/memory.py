@@ -26,6 +26,8 @@ class MemoryEstimate:
       workspace: transient buffers: a resharded operand's copy (an all-gathered weight)
         at the operator that reads it; pipelines: what one micro-batch's forward and
         backward need beyond the stash.
+      compression_state: a compressed gradient exchange's state kept across steps
+        (error-feedback residuals, warm starts; `StagePlan.exchange`).
       micro_batches_held: micro-batches whose activations a pipelined stage holds at once
         (1F1B: min(stages - stage index, m); GPipe: m); 1 for a single-stage plan.
     """
@@ -35,18 +37,20 @@ class MemoryEstimate:
     activations: float = 0.0
     workspace: float = 0.0
     micro_batches_held: int = 1
+    compression_state: float = 0.0
 
     @property
     def total(self) -> float:
         """Per-device peak bytes: the sum of the parts."""
         return self.params + self.grads + self.optimizer_state + self.activations + \
-            self.workspace
+            self.workspace + self.compression_state
 
     def to_json(self) -> dict[str, Any]:
         return {"params": float(self.params), "grads": float(self.grads),
                 "optimizer_state": float(self.optimizer_state),
                 "activations": float(self.activations), "workspace": float(self.workspace),
                 "micro_batches_held": int(self.micro_batches_held),
+                "compression_state": float(self.compression_state),
                 "total": float(self.total)}
 
     @staticmethod
@@ -55,7 +59,8 @@ class MemoryEstimate:
                               optimizer_state=float(o["optimizer_state"]),
                               activations=float(o["activations"]),
                               workspace=float(o["workspace"]),
-                              micro_batches_held=int(o.get("micro_batches_held", 1)))
+                              micro_batches_held=int(o.get("micro_batches_held", 1)),
+                              compression_state=float(o.get("compression_state", 0.0)))
 
     def describe(self) -> str:
         """One line: "1.200 GiB = params 0.400 + grads 0.400 + ... GiB"."""
@@ -63,7 +68,9 @@ class MemoryEstimate:
         return (f"{self.total / scale:.3f} {unit} = params {self.params / scale:.3f} + grads "
                 f"{self.grads / scale:.3f} + optimizer state {self.optimizer_state / scale:.3f}"
                 f" + activations {self.activations / scale:.3f} + workspace "
-                f"{self.workspace / scale:.3f} {unit}")
+                f"{self.workspace / scale:.3f}"
+                + (f" + compression state {self.compression_state / scale:.3f}"
+                   if self.compression_state else "") + f" {unit}")
 
 
 def _unit(nbytes: float) -> tuple[str, float]:

@@ -51,7 +51,8 @@ class SyncCollective(enum.Enum):
     NONE = "none"                      # nothing to reduce (one replica, or already reduced)
     ALL_REDUCE = "all-reduce"
     REDUCE_SCATTER = "reduce-scatter"  # the optimizer state (and update) is split over the axes
-    COMPRESSED = "compressed"          # the compressor's own exchange (`Plan.compression`)
+    COMPRESSED = "compressed"          # the compressor's own exchange (`Plan.compression`,
+                                       # or a stage's `StagePlan.exchange`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,50 @@ class GradientSync:
     nbytes: int                    # per device, per reduction
     count: int                     # reductions per step
     time_s: float                  # all `count` reductions together
+
+
+@dataclasses.dataclass(frozen=True)
+class StageExchange:
+    """A stage's once-per-step gradient exchange over its accumulation axes when it is
+    compressed (hybrid plans: compressed data parallelism beside tensor or pipeline
+    parallelism). Each device exchanges its own shard of each gradient with the devices
+    that hold the same shard on the other replicas; error-feedback state lives on the
+    device, so it is sharded like the parameter.
+
+    Attributes:
+      method: the compressor's config (`alpa_lite.compression.to_config`).
+      compressed: per parameter gradient of the stage, in the stage program's order
+        (`ir.step_parts.StageProgram.fb_param_grads`): True when it goes through `method`,
+        False when it is all-reduced in full precision (a gradient so small that
+        compressing it saves less than it costs).
+      num_workers: the replicas exchanging (the accumulation axes' size).
+      wire_bytes: per device per step, sent in the exchange.
+      dense_wire_bytes: the same for an uncompressed all-reduce of every gradient.
+      sync_s: the exchange's time per step (`cost_models.axis_exchange`).
+      dense_sync_s: the uncompressed all-reduce's.
+      state_bytes: per device, the compressor's state kept across steps.
+    """
+    method: dict
+    compressed: tuple[bool, ...]
+    num_workers: int
+    wire_bytes: float
+    dense_wire_bytes: float
+    sync_s: float
+    dense_sync_s: float
+    state_bytes: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"compressed": list(self.compressed)}
+
+    @staticmethod
+    def from_json(o: dict[str, Any]) -> "StageExchange":
+        return StageExchange(method=dict(o["method"]),
+                             compressed=tuple(bool(c) for c in o["compressed"]),
+                             num_workers=int(o["num_workers"]),
+                             wire_bytes=float(o["wire_bytes"]),
+                             dense_wire_bytes=float(o["dense_wire_bytes"]),
+                             sync_s=float(o["sync_s"]), dense_sync_s=float(o["dense_sync_s"]),
+                             state_bytes=float(o.get("state_bytes", 0.0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +150,9 @@ class StagePlan:
     # The whole-stage memory estimate per device (`planning.memory`); `peak_memory_bytes`
     # is its total. None: a plan made without one (read from an older JSON).
     memory: MemoryEstimate | None = None
+    # The compressed exchange that replaces the once-per-step all-reduce over
+    # `accumulate_axes`; None: a full-precision all-reduce.
+    exchange: StageExchange | None = None
 
     def sharding_of(self, name: str) -> TensorSpec:
         for n, spec in self.shardings:
@@ -438,7 +486,8 @@ def _stage_to_obj(s: StagePlan) -> dict[str, Any]:
         "accumulate_axes": list(s.accumulate_axes),
         "local_loss_scale": float(s.local_loss_scale),
         "accumulate_note": s.accumulate_note,
-    } | ({} if s.memory is None else {"memory": s.memory.to_json()})
+    } | ({} if s.memory is None else {"memory": s.memory.to_json()}) \
+      | ({} if s.exchange is None else {"exchange": s.exchange.to_json()})
 
 
 def _stage_from_obj(o: dict[str, Any]) -> StagePlan:
@@ -463,6 +512,8 @@ def _stage_from_obj(o: dict[str, Any]) -> StagePlan:
         local_loss_scale=float(o["local_loss_scale"]),
         accumulate_note=str(o["accumulate_note"]),
         memory=MemoryEstimate.from_json(o["memory"]) if o.get("memory") is not None else None,
+        exchange=StageExchange.from_json(o["exchange"]) if o.get("exchange") is not None
+        else None,
     )
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.cost_models.collectives import (
+    AxisTopology,
     CollectiveKind,
     all_gather_time,
     all_reduce_time,
@@ -126,6 +127,10 @@ class CommModel:
         self.mesh = mesh
         self._topo = {name: mesh_axis_topology(cluster, mesh.shape, i, mesh.device_offset)
                       for i, name in enumerate(mesh.axis_names)}
+
+    def topology(self, axis: str) -> AxisTopology:
+        """How the groups along one mesh axis sit on the cluster's links."""
+        return self._topo[axis]
 
     def _inner_first(self, axes: Sequence[str]) -> list[str]:
         return sorted(axes, key=lambda a: -self.mesh.axis_names.index(a))

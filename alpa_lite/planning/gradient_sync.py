@@ -38,6 +38,7 @@ from alpa_lite.ir.step_parts import (
 from alpa_lite.plan import Accumulation, GradientSync, StagePlan, SyncCollective
 from alpa_lite.plan.sharding import CollectiveOp, CommModel, LogicalMesh, TensorSpec
 from alpa_lite.planning.intra_op import StageResult, collective_summaries
+from alpa_lite.planning.stage_exchange import ExchangeRequest, GradShard, choose_exchange
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +55,12 @@ class PlannedStage:
 @dataclasses.dataclass(frozen=True)
 class StageSync:
     """A stage with its gradient sync decided: the stage (costs adjusted), one record per
-    parameter, and the time of its once-per-step reduction."""
+    parameter, and the time of its once-per-step reduction (or compressed exchange)."""
     stage: StagePlan
     records: tuple[GradientSync, ...]
     reduce_s: float
+    uncompressed: "StageSync | None" = None   # with a compressed exchange: the same stage
+                                              # all-reducing in full precision
 
 
 def batch_axes(prog: StageProgram, stage: StagePlan,
@@ -155,8 +158,19 @@ def _batch_dependent(forward: OpGraph) -> set[int]:
 
 
 def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
-               fwd_bdims: Mapping[int, int], names: Mapping[int, str]) -> StageSync:
-    """Decides how a stage syncs its gradients and prices it (module docstring)."""
+               fwd_bdims: Mapping[int, int], names: Mapping[int, str],
+               exchange: ExchangeRequest | None = None) -> StageSync:
+    """Decides how a stage syncs its gradients and prices it (module docstring).
+
+    With `exchange` (compression asked for) the backward must run per replica, even for
+    one micro-batch, so that each device holds its own gradients to compress; the stage's
+    once-per-step reduction is then the exchange `planning.stage_exchange` chooses, and
+    the result's `uncompressed` is the same stage with a full-precision all-reduce.
+
+    Raises:
+      PlanningError: compression asked for, but the stage has no data-parallel axis, or
+        its backward cannot run per replica (the message says why).
+    """
     prog, result, stage, index, mesh = (planned.prog, planned.result, planned.plan,
                                         planned.index, planned.mesh)
     m = parts.num_micro_batches
@@ -171,13 +185,21 @@ def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
     axes = batch_axes(prog, stage, fwd_bdims)
     why = "one micro-batch" if m == 1 else \
         "the stage's inputs do not split the batch over one set of mesh axes"
-    if axes and m > 1:
+    if axes and (m > 1 or exchange is not None):
         try:
             local_fwd, scale = local_forward(parts, math.prod(mesh.axis_size(a) for a in axes))
             local = stage_program(local_fwd, prog.start, prog.stop)
             why = splits_only_batch(parts, prog, local, stage, mesh, axes, fwd_bdims)
         except PlanningError as e:
             why = str(e)
+    if exchange is not None and (why is not None or not axes):
+        raise PlanningError(
+            f"stage {index}: gradient compression exchanges the gradients each "
+            f"data-parallel replica accumulates, and "
+            + (f"this stage's backward cannot run per replica: {why}" if axes else
+               "no mesh axis of this stage splits the batch (there is no data parallelism "
+               "to compress)")
+            + "; plan without compression, or with a layout whose dp is > 1")
     if why is not None:
         # The backward reduces each gradient itself (where the plan says), once per
         # micro-batch; that time is inside the stage's backward estimate.
@@ -234,7 +256,23 @@ def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
         stage, collectives=collective_summaries(kept), comm_s=stage.comm_s - dropped,
         forward_s=max(forward, 0.0), backward_s=max(backward, 0.0),
         total_s=stage.total_s - dropped, accumulate_axes=axes, local_loss_scale=scale)
-    return StageSync(new, records, reduce_s)
+    dense = StageSync(new, records, reduce_s)
+    if exchange is None:
+        return dense
+    shards = [GradShard(tuple(d // math.prod(mesh.axis_size(a) for a in dims)
+                              for d, dims in zip(fb.tensors[g].shape, out_spec[g].dims)),
+                        fb.tensors[g].dtype) for _, g in grads]
+    chosen = choose_exchange(exchange, shards, comm, axes)
+    if chosen is None:      # compressing saves nothing on these axes' links
+        return dense
+    desc = chosen.compressor.describe()
+    records = tuple(dataclasses.replace(
+        r, collective=SyncCollective.COMPRESSED if c else SyncCollective.ALL_REDUCE,
+        compressor=desc if c else None, nbytes=int(w) if c else r.nbytes, time_s=t)
+        for r, c, w, t in zip(records, chosen.exchange.compressed, chosen.grad_wire_bytes,
+                              chosen.grad_s))
+    return StageSync(dataclasses.replace(new, exchange=chosen.exchange), records,
+                     chosen.exchange.sync_s, uncompressed=dense)
 
 
 # Operators a gradient passes through unchanged in kind after its partial sums are formed

@@ -75,6 +75,7 @@ from alpa_lite.planning.cache import (
 )
 from alpa_lite.planning.fusion import fuse
 from alpa_lite.planning.gradient_sync import PlannedStage, grad_reduction_ops, stage_sync
+from alpa_lite.planning.stage_exchange import ExchangeRequest
 from alpa_lite.planning.intra_op import (
     BuiltStage,
     MeshMemo,
@@ -129,6 +130,10 @@ class PipelinePlanner:
                  exhaustive: bool = False):
         self.parts = parts
         self.progress = progress
+        # A Manual layout keeps every batch-carrying value split over dp (compressed data
+        # parallelism exchanges each replica's gradients: the ILP may not gather the batch
+        # to skip the exchange, as it may on a slow link otherwise).
+        self.split_batch = False
         self.queued = 0         # intra-op problems asked for, and those done (for progress)
         self.done = 0
         self.cluster = cluster
@@ -252,7 +257,7 @@ class PipelinePlanner:
         disk = None if self.exhaustive or cache_dir() is None else cache_key(
             "layer", prog.structure, mesh.shape, mesh.axis_names, repr(manual), lean,
             mesh_cluster(self.cluster, mesh.num_devices), self.opt_ratio, self.solver,
-            self.time_limit_s, sorted(self.seeds(prog).items()))
+            self.time_limit_s, sorted(self.seeds(prog).items()), self.split_batch)
         cached = load_object("layers", disk) if disk else None
         if isinstance(cached, StageCost):
             self.costs[key] = cached
@@ -279,7 +284,8 @@ class PipelinePlanner:
         fb = prog.fb.graph
         pin = node_pin = None
         if manual is not None:
-            pin, node_pin = manual_pins(fb, manual.dp, manual.tp, False, self.seeds(prog))
+            pin, node_pin = manual_pins(fb, manual.dp, manual.tp, False, self.seeds(prog),
+                                        split_batch=self.split_batch)
         elif lean:
             pin = _most_split_params(fb, mesh)
         with self._lock:
@@ -463,9 +469,16 @@ def _logical_shapes(sub: SubmeshShape) -> list[tuple[int, int]]:
 
 def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_fingerprint: str,
                        input_signature, tensor_names: Mapping[int, str] | None = None,
-                       progress: Progress | None = None) -> Plan:
+                       progress: Progress | None = None, compression=None) -> Plan:
     """Plans a pipelined step (module docstring). `progress` hears of the layer clustering,
-    each intra-op problem solved and the stage DP (`alpa_lite.progress`)."""
+    each intra-op problem solved and the stage DP (`alpa_lite.progress`).
+
+    `compression` (a compressor or `AutoCompression`): each stage exchanges its
+    accumulated gradients over its data-parallel axes through the compressor
+    `planning.stage_exchange` chooses for it (`StagePlan.exchange`); with AutoCompression
+    a lossy exchange is kept only where it makes the whole step `min_speedup` times
+    faster than the full-precision all-reduce."""
+    exchange = None if compression is None else ExchangeRequest.of(compression)
     fwd = parts.forward
     n_nodes = len(fwd.graph.nodes)
     m = parts.num_micro_batches
@@ -477,6 +490,7 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
     solver = solver_for(method.solver)
     planner = PipelinePlanner(parts, cluster, solver, method.time_limit_s, names, progress,
                               exhaustive=isinstance(method, Auto) and method.exhaustive)
+    planner.split_batch = exchange is not None
     alternatives: list[Alternative] = []
     if isinstance(method, Manual):
         pp = method.pp
@@ -518,13 +532,11 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
     S = len(stages)
     # Gradients: accumulated per device and reduced once per step where the stage's batch
     # axes split nothing else (planning.gradient_sync).
-    sync_records, reduce_s = [], []
-    for s, (_, mesh, _, _) in enumerate(chosen):
-        sync = stage_sync(parts, PlannedStage(s, progs[s], mesh, costs[s].result, stages[s]),
-                          cluster, planner.fwd_bdims, planner.input_names(progs[s]))
+    syncs = [stage_sync(parts, PlannedStage(s, progs[s], mesh, costs[s].result, stages[s]),
+                        cluster, planner.fwd_bdims, planner.input_names(progs[s]), exchange)
+             for s, (_, mesh, _, _) in enumerate(chosen)]
+    for s, sync in enumerate(syncs):
         stages[s] = sync.stage
-        sync_records.extend(sync.records)
-        reduce_s.append(sync.reduce_s)
     for s, est in enumerate(estimates):    # stage_sync rebuilds the stage record
         stages[s] = dataclasses.replace(stages[s], peak_memory_bytes=est.total, memory=est)
     sends = [_send_time(cluster, costs[s].output_bytes, stages[s], stages[s + 1])
@@ -544,8 +556,24 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
     update_stages, inputs = place_update(parts, progs, stages)
     # After the last backward every stage applies its share of the update at once.
     apply_s = _update_time(planner, update_stages, costs, progs)
-    breakdown = pipeline_step_time(stages, timings, sim, m, schedule_from_name(method.schedule),
-                                   reduce_s, apply_s)
+    schedule = schedule_from_name(method.schedule)
+    breakdown = pipeline_step_time(stages, timings, sim, m, schedule,
+                                   [sy.reduce_s for sy in syncs], apply_s)
+    if any(sy.uncompressed is not None for sy in syncs):
+        plain = [sy.uncompressed or sy for sy in syncs]
+        dense = pipeline_step_time(stages, timings, sim, m, schedule,
+                                   [sy.reduce_s for sy in plain], apply_s)
+        if not exchange.explicit and dense.total_s < exchange.min_speedup * breakdown.total_s:
+            # Lossy exchange not worth its accuracy cost on this step: exact all-reduce.
+            syncs, breakdown = plain, dense
+        for s, sy in enumerate(syncs):
+            ex = sy.stage.exchange
+            est = dataclasses.replace(stages[s].memory, compression_state=ex.state_bytes
+                                      if ex is not None else 0.0)
+            stages[s] = dataclasses.replace(stages[s], exchange=ex, memory=est,
+                                            peak_memory_bytes=est.total)
+    sync_records = [r for sy in syncs for r in sy.records]
+    reduce_s = [sy.reduce_s for sy in syncs]
     spec = PipelineSpec(num_micro_batches=m, schedule=method.schedule, layer_starts=tuple(starts),
                         loss_scale=parts.loss_scale, forward_fingerprint=fwd.fingerprint,
                         step_time_s=breakdown.total_s,

@@ -55,7 +55,7 @@ def compile_plan(plan: Plan, step: StepProgram, devices: Sequence[Any]) -> Execu
         if step.parts is None:
             raise ValueError("a pipelined plan needs the step split around its gradient call "
                              "(StepProgram.parts)")
-        return PipelineExecutable(step.parts, plan, devices)
+        return PipelineExecutable(step.parts, plan, devices, step.compression_seed)
     if step.traced is None:
         raise ValueError("a single-stage plan needs the traced step (StepProgram.traced)")
     if plan.compression is not None:

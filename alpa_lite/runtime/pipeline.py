@@ -43,6 +43,7 @@ from alpa_lite.plan.sharding import TensorSpec
 from alpa_lite.runtime.distributed import on_every_process, place
 from alpa_lite.runtime.hlo import CompiledCollective, compiled_collectives
 from alpa_lite.runtime.spmd import named_sharding, partition_spec, shardings_like, stage_mesh
+from alpa_lite.runtime.stage_exchange import CompressedReduce
 
 
 class _Stage:
@@ -56,7 +57,7 @@ class _Stage:
     """
 
     def __init__(self, parts: StepParts, prog: StageProgram, stage: StagePlan,
-                 devices: Sequence[Any]):
+                 devices: Sequence[Any], seed: int = 0):
         self.prog = prog
         self.plan = stage
         self.mesh = stage_mesh(stage, devices)
@@ -155,6 +156,17 @@ class _Stage:
                                   out_shardings=self.grad_out, donate_argnums=0)
         self.accumulate = jax.jit(lambda acc, g: [a + b for a, b in zip(acc, g)],
                                   donate_argnums=0)
+        # A compressed exchange replaces the reduction (`runtime.stage_exchange`).
+        self.exchange = None
+        if stage.exchange is not None:
+            if not self.axes:
+                raise ValueError("the plan compresses a stage whose backward does not run "
+                                 "per replica (no accumulate_axes); plan again")
+            self.exchange = CompressedReduce(
+                self.mesh, self.axes, stage.exchange,
+                [out_spec[t] for t in prog.fb_param_grads],
+                [tuple(fb.tensors[t].shape) for t in prog.fb_param_grads],
+                [fb.tensors[t].dtype for t in prog.fb_param_grads], seed)
 
     def loss_cotangent(self, loss_scale: float, dtype) -> np.ndarray:
         """The cotangent of the loss this stage's backward starts from: the step's scale,
@@ -171,7 +183,8 @@ class _Stage:
 class PipelineExecutable:
     """A pipelined plan made runnable: call with the step's positional arguments."""
 
-    def __init__(self, parts: StepParts, plan: Plan, devices: Sequence[Any]):
+    def __init__(self, parts: StepParts, plan: Plan, devices: Sequence[Any],
+                 compression_seed: int = 0):
         spec = plan.pipeline
         if spec is None:
             raise ValueError("PipelineExecutable needs a pipelined plan (plan.pipeline)")
@@ -189,7 +202,9 @@ class PipelineExecutable:
         for st in plan.stages:
             a, b = st.layers
             prog = stage_program(parts.forward, starts[a], starts[b + 1])
-            self.stages.append(_Stage(parts, prog, st, devices))
+            self.stages.append(_Stage(parts, prog, st, devices,
+                                      seed=compression_seed * 1009 + len(self.stages)))
+        self.step = 0   # steps run: the compressed exchanges' phase and keys follow it
         self._layout()
         # Fixed per plan: the order tasks are issued in, and where each gradient is summed.
         self.tasks = self._tasks(schedule_from_name(spec.schedule), len(self.stages),
@@ -317,8 +332,10 @@ class PipelineExecutable:
                 stacked = [jax.ShapeDtypeStruct((st.replicas,) + tuple(fb.tensors[t].shape),
                                                 as_dtype(fb.tensors[t].dtype), sharding=sh)
                            for t, sh in zip(prog.fb_param_grads, st.grad_stacked)]
-                out += compiled_collectives(st.reduce.lower(stacked).compile().as_text(),
-                                            f"stage {s} gradient reduction")
+                text = (st.exchange.compiled_text(stacked, self.step)
+                        if st.exchange is not None else
+                        st.reduce.lower(stacked).compile().as_text())
+                out += compiled_collectives(text, f"stage {s} gradient reduction")
         return tuple(out)
 
     def _segment_fn(self, s, nodes, ins, outs):
@@ -451,8 +468,11 @@ class PipelineExecutable:
 
         # Stages that accumulate per device reduce once, now.
         for s, st in enumerate(self.stages):
-            if st.reduce is not None:
+            if st.exchange is not None:
+                grads[s] = st.exchange(grads[s], self.step)
+            elif st.reduce is not None:
                 grads[s] = st.reduce(grads[s])
+        self.step += 1
         # Gradients of parameters read by several stages meet at the parameter's home (the
         # first stage that reads it, so it is met first).
         grad_of: dict[int, Any] = {}
