@@ -26,11 +26,12 @@ from alpa_lite.ir.batch import batch_size
 from alpa_lite.ir.graph import Role
 from alpa_lite.ir.step_parts import StepParts, split_step
 from alpa_lite.ir.tracing import TracedStep, trace
-from alpa_lite.plan import Plan
+from alpa_lite.plan import Choice, Plan
 from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, method_to_json
 from alpa_lite.planning.auto_search import SearchSpace, search_auto
 from alpa_lite.planning.cache import cache_key, load_plan, save_plan
 from alpa_lite.planning.compression import make_compressed_plan
+from alpa_lite.planning.hybrid_search import best_hybrid, hybrid_layouts
 from alpa_lite.planning.pipeline import make_pipeline_plan
 from alpa_lite.planning.spmd import make_plan, replace_stats
 from alpa_lite.progress import TRACE, Progress, report
@@ -198,8 +199,12 @@ class ParallelizedStep:
                     "and the loss draws random numbers along the batch (e.g. a dropout "
                     "mask): each worker would draw its own, not jax.jit's; plan without "
                     "compression, or draw per example (jax.random.fold_in(key, index))")
-            return make_compressed_plan(traced, self.method, cluster, self.compression,
-                                        workers.loss_scale, names)
+            pure_dp = make_compressed_plan(traced, self.method, cluster, self.compression,
+                                           workers.loss_scale, names)
+            if isinstance(self.method, Auto) and \
+                    isinstance(self.compression, C.AutoCompression):
+                return self._weigh_hybrids(args, traced, cluster, pure_dp)
+            return pure_dp
         if not isinstance(self.method, Auto):
             if pipelined:
                 return make_pipeline_plan(self.parts(*args), self.method, cluster,
@@ -228,6 +233,50 @@ class ParallelizedStep:
             num_devices=cluster.num_devices, devices_per_node=cluster.devices_per_node,
             budget_bytes=self.method.memory_budget_bytes or cluster.device.memory_bytes)
         return search_auto(self.method, _batch_size(traced), space, progress)
+
+    def _weigh_hybrids(self, args, traced: TracedStep, cluster: Cluster,
+                       pure_dp: Plan) -> Plan:
+        """Auto with AutoCompression: the pure data-parallel plan (compressed or not, or
+        the best uncompressed layout it already weighed) against the hybrid layouts with
+        compressed data parallelism (`planning.hybrid_search`); the fastest that fits,
+        with the choice and its runner-up in `Plan.choices`."""
+        budget = self.method.memory_budget_bytes or cluster.device.memory_bytes
+
+        def plan_layout(layout: Manual) -> Plan:
+            parts = self.parts(*args, num_micro_batches=layout.num_micro_batches)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return make_pipeline_plan(parts, layout, cluster, parts.outer.fingerprint,
+                                          parts.outer.input_avals, outer_names_of(parts.outer),
+                                          compression=self.compression)
+
+        batch = _batch_size(traced)
+        layouts = [] if batch is None else hybrid_layouts(
+            cluster.num_devices, cluster.devices_per_node, batch)
+        best, outcomes = best_hybrid(layouts, plan_layout, budget)
+        base_fits = pure_dp.peak_memory_bytes <= budget
+        label = ("data parallel, " + pure_dp.compression.description
+                 if pure_dp.compression is not None else "uncompressed " + (
+                     "pipeline" if pure_dp.pipeline is not None else "single stage"))
+        weighed = [(label, pure_dp.step_time_s, base_fits)] + [
+            (_layout_label(o.plan), o.step_time_s, o.note == "") for o in outcomes
+            if o.plan is not None]
+        if best is not None and (not base_fits or best.step_time_s < pure_dp.step_time_s):
+            # The plan runs the layout; the method stays what the user asked for.
+            chosen, chosen_label = dataclasses.replace(best, method=self.method), \
+                _layout_label(best)
+        else:
+            chosen, chosen_label = pure_dp, label
+        others = sorted((w for w in weighed if w[0] != chosen_label),
+                        key=lambda w: (not w[2], w[1]))
+        runner = others[0] if others else ("", None, True)
+        note = f"{len(layouts)} hybrid layouts weighed with compressed data parallelism"
+        refused = [o for o in outcomes if o.step_time_s is None]
+        if refused:
+            note += f"; {len(refused)} could not be planned (first: {refused[0].note})"
+        choice = Choice("layout", chosen_label, chosen.step_time_s, runner[0], runner[1],
+                        runner[2], by_user=False, note=note)
+        return dataclasses.replace(chosen, choices=chosen.choices + (choice,))
 
     def compile(self, *args) -> Executable:
         """Plans (once per signature) and compiles the step for these arguments on the
@@ -370,6 +419,15 @@ def parallelize(fn: Callable | None = None, *, method: Method | None = None,
         return ParallelizedStep(f, method, cluster, batch_argnums, compression=compression,
                                 on_nonfinite=on_nonfinite, compression_seed=compression_seed)
     return wrap if fn is None else wrap(fn)
+
+
+def _layout_label(plan: Plan) -> str:
+    """A hybrid plan's layout (its method is the Manual layout it was planned as)."""
+    layout = plan.method
+    exchanges = {C.from_config(s.exchange.method).name for s in plan.stages if s.exchange}
+    return (f"dp={layout.dp} x tp={layout.tp} x pp={layout.pp}, "
+            f"{layout.num_micro_batches} micro-batch(es), dp "
+            + (f"compressed ({', '.join(sorted(exchanges))})" if exchanges else "all-reduce"))
 
 
 def outer_names_of(traced: TracedStep) -> dict[int, str]:

@@ -223,8 +223,11 @@ def test_bad_compression_input_is_refused():
         al.parallelize(step_fn, compression=3)
     with pytest.raises(ValueError, match="on_nonfinite"):
         al.parallelize(step_fn, compression=C.Dense(), on_nonfinite="ignore")
-    tp = al.parallelize(step_fn, method=al.Manual(dp=4, tp=2), compression=C.Dense())
-    with pytest.raises(al.PlanningError, match="tensor or pipeline parallelism"):
+    # Hybrid plans compress (tests/test_hybrid_compression.py), but not with delayed
+    # averaging, which keeps parameters per worker.
+    tp = al.parallelize(step_fn, method=al.Manual(dp=4, tp=2),
+                        compression=C.DelayedAveraging(delay=2))
+    with pytest.raises(al.PlanningError, match="pure data-parallel plans"):
         tp.plan(*args)
     with pytest.raises(ValueError, match="delay must be"):
         C.DelayedAveraging(delay=0)

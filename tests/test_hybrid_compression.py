@@ -29,12 +29,12 @@ DP2_TP4 = al.Manual(dp=2, tp=4)
 DP4_PP2 = al.Manual(dp=4, pp=2, num_micro_batches=2)
 
 
-def slow_nodes(n: int) -> al.Cluster:
-    """The 8 local devices as `n` nodes joined by a 100 MB/s link."""
+def slow_nodes(n: int, bandwidth: float = 1e8) -> al.Cluster:
+    """The 8 local devices as `n` nodes joined by a link of `bandwidth` bytes/s."""
     local = al.Cluster.local()
-    return dataclasses.replace(local, name=f"local-{n}-slow", num_nodes=n,
+    return dataclasses.replace(local, name=f"local-{n}-slow-{bandwidth:g}", num_nodes=n,
                                devices_per_node=8 // n,
-                               inter_node=LinkSpec("slow test link", 1e8, 1e-5))
+                               inter_node=LinkSpec("slow test link", bandwidth, 1e-5))
 
 
 # dp crosses the slow link: dp=2 x tp=4 on 2 nodes of 4; dp=4 x pp=2 on 8 nodes of 1
@@ -229,3 +229,19 @@ def test_hybrid_refusals_name_the_problem():
     with pytest.raises(PlanningError, match="pure data-parallel plans"):
         al.parallelize(step, method=DP2_TP4, cluster=slow_nodes(2),
                        compression=C.DelayedAveraging(delay=2)).plan(*args)
+
+
+
+def test_hybrid_layouts_of_auto_compression():
+    """The layouts Auto + AutoCompression weighs: dp > 1 beside tp or pp, each with a
+    micro-batch count that leaves every replica at least two examples."""
+    from alpa_lite.planning.hybrid_search import hybrid_layouts, micro_batch_count
+    layouts = hybrid_layouts(32, 8, 64)
+    assert {(m.dp, m.tp, m.pp) for m in layouts} >= {(4, 8, 1), (4, 4, 2), (2, 8, 2)}
+    for m in layouts:
+        assert m.dp > 1 and (m.tp > 1 or m.pp > 1)
+        assert 64 % (m.num_micro_batches * m.dp) == 0
+        assert 64 // (m.num_micro_batches * m.dp) >= 2
+    assert micro_batch_count(64, 4, 2) == 8          # 4 x pp
+    assert micro_batch_count(64, 4, 1) == 1
+    assert micro_batch_count(8, 4, 2) is None        # one example per replica at best

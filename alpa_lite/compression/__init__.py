@@ -23,6 +23,7 @@ from alpa_lite.compression.auto import AutoCompression, common_lossy
 from alpa_lite.compression.base import Compressor
 from alpa_lite.compression.delayed import DelayedAveraging
 from alpa_lite.compression.dense import Cast, Dense
+from alpa_lite.compression.local_sgd import LocalSGD
 from alpa_lite.compression.onebit import OneBit, SignSGD
 from alpa_lite.compression.powersgd import PowerSGD
 from alpa_lite.compression.sparse import DGC, RandomK, TopK
@@ -43,10 +44,13 @@ def by_name(name: str, **kwargs) -> Compressor:
 
 
 def to_config(method) -> dict:
-    """A JSON-able description of a compressor or a DelayedAveraging setting."""
+    """A JSON-able description of a compressor, a DelayedAveraging or a LocalSGD setting."""
     if isinstance(method, DelayedAveraging):
         return {"name": DelayedAveraging.name, "delay": method.delay,
                 "compressor": to_config(method.compressor)}
+    if isinstance(method, LocalSGD):
+        return {"name": LocalSGD.name, "every": method.every,
+                "warmup_steps": method.warmup_steps, "compressor": to_config(method.compressor)}
     if not isinstance(method, Compressor):
         raise TypeError(f"not a compression method: {method!r}")
     params = {}
@@ -61,6 +65,9 @@ def from_config(config: dict):
     if config.get("name") == DelayedAveraging.name:
         return DelayedAveraging(delay=int(config["delay"]),
                                 compressor=from_config(config["compressor"]))
+    if config.get("name") == LocalSGD.name:
+        return LocalSGD(every=int(config["every"]), warmup_steps=int(config["warmup_steps"]),
+                        compressor=from_config(config["compressor"]))
     params = {k: tuple(v) if isinstance(v, list) else v
               for k, v in config.get("params", {}).items()}
     return by_name(str(config.get("name")), **params)
@@ -100,6 +107,7 @@ __all__ = [
     "Compressor",
     "DGC",
     "Dense",
+    "LocalSGD",
     "OneBit",
     "PowerSGD",
     "QSGD",

@@ -12,6 +12,7 @@ import dataclasses
 
 from alpa_lite.compression.base import Compressor
 from alpa_lite.compression.delayed import DelayedAveraging
+from alpa_lite.compression.local_sgd import LocalSGD
 from alpa_lite.compression.dense import Cast
 from alpa_lite.compression.onebit import OneBit
 from alpa_lite.compression.powersgd import PowerSGD
@@ -37,8 +38,10 @@ class AutoCompression:
     it, nor within what the cost model can resolve.
 
     Args:
-      allow: the compressors and delayed-averaging settings the planner may use, e.g.
-        `common_lossy()`; empty: only exact exchange.
+      allow: the compressors, delayed-averaging and local-SGD settings the planner may
+        use, e.g. `common_lossy()` (which holds no LocalSGD: averaging parameters every H
+        steps changes the optimisation more than a compressor, so only a user lists it);
+        empty: only exact exchange.
       min_speedup: the least step-time ratio (exact / lossy) that justifies a lossy method.
     """
 
@@ -51,6 +54,6 @@ class AutoCompression:
             raise ValueError(f"AutoCompression: min_speedup must be >= 1, got "
                              f"{self.min_speedup!r}")
         for c in self.allow:
-            if not isinstance(c, (Compressor, DelayedAveraging)):
-                raise ValueError(f"AutoCompression: {c!r} is not a compressor or a "
-                                 "DelayedAveraging setting")
+            if not isinstance(c, (Compressor, DelayedAveraging, LocalSGD)):
+                raise ValueError(f"AutoCompression: {c!r} is not a compressor, a "
+                                 "DelayedAveraging or a LocalSGD setting")

@@ -1,5 +1,5 @@
 """Cost models: device and cluster specs, collective and compute costs, pipeline schedules,
-calibration fits (``calibration.py``) (no PuLP here)."""
+calibration fits (``calibration.py``), stragglers (``stragglers.py``) (no PuLP here)."""
 
 from alpa_lite.cost_models.cluster import CLUSTER_JSON_FORMAT as CLUSTER_JSON_FORMAT
 from alpa_lite.cost_models.cluster import Cluster as Cluster
@@ -25,6 +25,13 @@ from alpa_lite.cost_models.pipeline_schedule import Task as Task
 from alpa_lite.cost_models.pipeline_schedule import TaskKind as TaskKind
 from alpa_lite.cost_models.pipeline_schedule import schedule_from_name as schedule_from_name
 from alpa_lite.cost_models.pipeline_schedule import simulate as simulate_pipeline
+from alpa_lite.cost_models.stragglers import EmpiricalDelays as EmpiricalDelays
+from alpa_lite.cost_models.stragglers import ShiftedExponential as ShiftedExponential
+from alpa_lite.cost_models.stragglers import StragglerEstimate as StragglerEstimate
+from alpa_lite.cost_models.stragglers import StragglerPolicy as StragglerPolicy
+from alpa_lite.cost_models.stragglers import StragglerScheme as StragglerScheme
+from alpa_lite.cost_models.stragglers import expected_step_times as expected_step_times
+from alpa_lite.cost_models.stragglers import parse_delay_model as parse_delay_model
 
 __all__ = [
     "CLUSTER_JSON_FORMAT",
@@ -34,11 +41,16 @@ __all__ = [
     "Cluster",
     "CollectiveKind",
     "DeviceSpec",
+    "EmpiricalDelays",
     "LinkSpec",
     "MeasuredCollective",
     "Schedule",
     "ScheduleResult",
+    "ShiftedExponential",
     "StageTiming",
+    "StragglerEstimate",
+    "StragglerPolicy",
+    "StragglerScheme",
     "Task",
     "TaskKind",
     "all_gather_time",
@@ -46,7 +58,9 @@ __all__ = [
     "all_to_all_time",
     "collective_time",
     "compute_time",
+    "expected_step_times",
     "mesh_axis_topology",
+    "parse_delay_model",
     "reduce_scatter_time",
     "schedule_from_name",
     "send_recv_time",

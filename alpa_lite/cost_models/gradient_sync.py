@@ -22,6 +22,15 @@ Its latency overlaps D steps of computation; its bytes do not (the link carries 
 worth of bytes per step however many exchanges are in flight), so
 
     step = max(compute + compress, bytes_time, (latency_time + bytes_time) / D).
+
+Local SGD (``every`` H >= 1, ``compression.LocalSGD``): no gradient is exchanged; once
+every H steps the workers exchange their parameters (or compressed deltas, float32) by the
+same hierarchical exchange, synchronously after that step's local update. The estimate is
+the steady state after any synchronous warm-up, the exchange amortized over the H steps:
+
+    step = compute + exchange / H
+
+(a step that averages takes compute + exchange, the H - 1 others compute alone).
 """
 
 from __future__ import annotations
@@ -115,11 +124,17 @@ def gradient_sync(cluster: Cluster, leaves: Sequence[GradientLeaf], exchange: An
                         compress_s=compress, wire_bytes=wire, dense_wire_bytes=dense_wire)
 
 
-def step_time(compute_s: float, sync: SyncEstimate, delay: int = 0) -> float:
+def step_time(compute_s: float, sync: SyncEstimate, delay: int = 0, every: int = 1) -> float:
     """A step's time: `compute_s` (everything but the gradient exchange) plus the exchange,
-    synchronous (`delay` 0) or delayed by `delay` steps (module docstring)."""
+    synchronous (`delay` 0) or delayed by `delay` steps, or, for local SGD, run once every
+    `every` steps and amortized over them (module docstring)."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1 (steps between exchanges), got {every!r}")
+    if delay and every > 1:
+        raise ValueError("an exchange is either delayed (delay > 0) or run every few steps "
+                         f"(every > 1), not both; got delay={delay}, every={every}")
     if delay == 0:
-        return compute_s + sync.total_s
+        return compute_s + sync.total_s / every
     link_s = sync.intra_s + sync.bytes_s
     return max(compute_s + sync.compress_s, link_s, (link_s + sync.latency_s) / delay)
 

@@ -6,7 +6,7 @@ and memory, and prices each exchange method with
 `cost_models.gradient_sync` (hierarchical across nodes: full precision inside a node, the
 method between nodes). It keeps:
 
-- an explicit method (a compressor or `DelayedAveraging`): that one;
+- an explicit method (a compressor, `DelayedAveraging` or `LocalSGD`): that one;
 - `AutoCompression(allow=...)`: the fastest that fits in device memory among the allowed
   methods and the plain all-reduce (a lossy one only when it is at least `min_speedup`
   times faster than the all-reduce); with `Auto()` as the method, also against the best
@@ -14,6 +14,12 @@ method between nodes). It keeps:
   a fast node can beat any data-parallel exchange).
 
 The result is a `Plan` whose `compression` says what runs and what it saves.
+
+Local SGD exchanges the parameters (float32) once every H steps and no gradient: its
+`sync_s`, `wire_bytes` and step time are per step, the exchange amortized over H steps
+after the synchronous warm-up, and its `description` says so with the time of one average.
+`AutoCompression` never chooses local SGD by itself; `compression.auto` decides whether
+it may be listed in `allow`.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from alpa_lite.plan import (
 )
 from alpa_lite.plan.methods import Auto, DataParallel, Manual
 from alpa_lite.plan.sharding import itemsize
+from alpa_lite.plan.text import fmt_bytes, fmt_time
 from alpa_lite.plan.timing import StepTime, TimeKind, TimeLine
 from alpa_lite.planning.spmd import make_plan
 
@@ -72,13 +79,45 @@ def state_bytes(method, leaves: list[GradientLeaf], cluster: Cluster) -> float:
         total += sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
         # Delayed averaging keeps the last D local gradients and D - 1 averages.
         total += (2 * delay - 1) * leaf.numel * leaf.itemsize if delay else 0.0
+        # Local SGD with a lossy exchange keeps the last average (the parameter's dtype).
+        if isinstance(method, C.LocalSGD) and exchange.lossy:
+            total += leaf.numel * leaf.itemsize
     return total
 
 
 def _split(method) -> tuple[int, C.Compressor]:
     if isinstance(method, C.DelayedAveraging):
         return method.delay, method.compressor
+    if isinstance(method, C.LocalSGD):
+        return 0, method.compressor
     return 0, method
+
+
+def _every(method) -> int:
+    """Steps per exchange: local SGD's H, else 1."""
+    return method.every if isinstance(method, C.LocalSGD) else 1
+
+
+def _exchanged(method, leaves: list[GradientLeaf]) -> list[GradientLeaf]:
+    """What travels: the gradient leaves, or for local SGD the parameters in float32."""
+    if isinstance(method, C.LocalSGD):
+        return [GradientLeaf(leaf.shape, 4) for leaf in leaves]
+    return leaves
+
+
+def _local_sgd_description(method: C.LocalSGD, compute: float, sync, dense) -> str:
+    """Local SGD's `CompressionSpec.description`: the method, and how its exchange is
+    counted in the plan's per-step figures."""
+    h = method.every
+    text = (f"{method.describe()}; one average takes {fmt_time(sync.total_s)} and "
+            f"{fmt_bytes(sync.wire_bytes)} per worker, amortized over the {h} steps in the "
+            f"per-step figures (a step that averages takes {fmt_time(compute + sync.total_s)}"
+            f", the others {fmt_time(compute)})")
+    if method.warmup_steps:
+        text += (f"; the first {method.warmup_steps} steps are synchronous SGD (exact "
+                 f"gradient all-reduce, {fmt_time(compute + dense.total_s)} per step), not "
+                 f"in the estimate")
+    return text
 
 
 def _label(method) -> str:
@@ -121,9 +160,9 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
     rows = []
     for option in options:
         delay, exchange = _split(option)
-        sync = gradient_sync(cluster, leaves, exchange, dtype)
+        sync = gradient_sync(cluster, _exchanged(option, leaves), exchange, dtype)
         memory = dp_plan.peak_memory_bytes + state_bytes(option, leaves, cluster)
-        rows.append((option, sync, step_time(compute, sync, delay), memory))
+        rows.append((option, sync, step_time(compute, sync, delay, _every(option)), memory))
     pool = [r for r in rows if r[3] <= budget] or rows     # what fits, else everything
     option, sync, step, memory = min(pool, key=lambda r: r[2])
     dense_row = rows[0]
@@ -150,11 +189,14 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
             "Use a smaller batch, al.Auto() without compression, or pipelining", stacklevel=3)
     axis, workers, hierarchical = exchange_axis(cluster)
     delay, exchange = _split(option)
+    every = _every(option)      # local SGD: per-step figures amortize one exchange
+    description = (_local_sgd_description(option, compute, sync, dense)
+                   if isinstance(option, C.LocalSGD) else _label(option))
     spec = CompressionSpec(
-        exchange=C.to_config(option), description=_label(option), axis=axis,
+        exchange=C.to_config(option), description=description, axis=axis,
         num_workers=workers, hierarchical=hierarchical, delay=delay, loss_scale=loss_scale,
-        wire_bytes=sync.wire_bytes, dense_wire_bytes=sync.dense_wire_bytes,
-        sync_s=max(step - compute - sync.compress_s, 0.0) if delay else sync.total_s,
+        wire_bytes=sync.wire_bytes / every, dense_wire_bytes=dense.dense_wire_bytes,
+        sync_s=max(step - compute - sync.compress_s, 0.0) if delay else sync.total_s / every,
         dense_sync_s=dense.total_s, compute_s=compute, step_time_s=step,
         uncompressed_step_time_s=step_time(compute, dense), candidates=candidates)
     # What runs: the step per worker, no collective of the data-parallel plan; each

@@ -15,9 +15,10 @@ call (`al.value_and_grad`) goes through a `markers.GradientHook` that
 
 Synchronous methods leave every worker with the same parameters, returned replicated.
 Delayed averaging (Zhu et al. 2021) gives each worker its own parameters: the executable
-keeps them (stacked over workers, one per device) and returns worker 0's; when the caller
-passes back what it was given, the workers go on from their own copies, otherwise every
-worker restarts from what was passed.
+keeps them (stacked over workers, one per device) and returns worker 0's (with one
+process, an array on worker 0's device: nothing is copied between devices to return it);
+when the caller passes back what it was given, the workers go on from their own copies,
+otherwise every worker restarts from what was passed.
 
 The exchange of step i under delayed averaging carries step i-1's gradient (from the
 state), so it does not wait for step i's backward pass and XLA may overlap it with it; the
@@ -25,8 +26,21 @@ average is applied D steps after its gradient was computed. Overlap across more 
 step needs an asynchronous runtime this one is not: the cost model's delayed estimate
 assumes it (see `cost_models.gradient_sync`).
 
-Per-worker state (residuals, warm starts, the delayed queues) lives here, stacked over
-workers and sharded one per device: `state()`, `set_state()`, `reset_state()`.
+Local SGD (`compression.LocalSGD`) keeps per-worker parameters and optimizer states the
+same way, and compiles one program per kind of step (`phase_of`):
+
+- "warmup" (post-local SGD's first steps): the gradients all-reduced exactly, as `Dense()`;
+- "local": each worker applies its optimizer to its own gradient; the program has no
+  collective at all (the NaN check's flags and the results that are not carried to the next
+  step come back one row per worker, and the host reads worker 0's / sums the flags);
+- "average": a local step, then the parameters (the inputs `al.value_and_grad` takes the
+  gradient of, where a result replaces them) are averaged over the workers, exactly or as
+  compressed deltas from the last average (kept in the state as "anchor"); the optimizer
+  state stays per worker.
+
+Per-worker state (residuals, warm starts, the delayed queues, local SGD's last average)
+lives here, stacked over workers and sharded one per device: `state()`, `set_state()`,
+`reset_state()`.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from alpa_lite import compression as C
 from alpa_lite.errors import NonFiniteGradientError
+from alpa_lite.ir.graph import Role
 from alpa_lite.ir.markers import GradientHook, gradient_hook
 from alpa_lite.ir.tracing import TracedStep
 from alpa_lite.plan import Plan
@@ -50,6 +65,15 @@ from alpa_lite.runtime.hlo import CompiledCollective, compiled_collectives
 from alpa_lite.runtime.spmd import shardings_like
 
 WORKERS = ("node", "local")
+# Folded into the step's shared key for local SGD's parameter exchange, so its random
+# choices (random-k positions, PowerSGD's first Q) do not repeat the gradient exchange's.
+_AVERAGE_KEY = 0x10CA15D
+
+
+@jax.jit
+def _drop_worker_axis(rows):
+    """(1, ...) arrays on one device -> (...) arrays there, in one dispatch."""
+    return [r[0] for r in rows]
 
 
 class _Exchange(GradientHook):
@@ -59,6 +83,8 @@ class _Exchange(GradientHook):
         self.owner = owner
         self.state = state
         self.phase = phase
+        # Local SGD's local and averaging steps exchange no gradient.
+        self.local = owner.mode(phase) in ("local", "average")
         self.shared_key = shared_key
         self.new_state = None
         self.bad = None
@@ -86,6 +112,8 @@ class _Exchange(GradientHook):
         if self.state is None:      # tracing only to learn the gradient's shapes
             self.new_state = o.initial_state(leaves)
             return value, grads
+        if self.local:
+            return self.local_gradient(value, leaves, treedef)
         self.bad = jax.lax.psum(jnp.stack([(~jnp.isfinite(g)).any().astype(jnp.int32)
                                            for g in leaves]), WORKERS)
         worker = jax.lax.axis_index("node") * o.local + jax.lax.axis_index("local")
@@ -101,13 +129,29 @@ class _Exchange(GradientHook):
             total, st = o.exchange_leaf(outgoing, state["exchange"][i], self.phase, *keys)
             exchanged.append(total * o.loss_scale)
             states.append(st)
-        new = {"exchange": states, "sent": state["sent"], "averages": state["averages"]}
+        new = dict(state, exchange=states)      # local SGD's anchor and residuals pass
         if o.delay:
             out, new["sent"], new["averages"] = o.delayed_update(leaves, exchanged, state)
         else:
             out = [t.astype(g.dtype) for t, g in zip(exchanged, leaves)]
         self.new_state = jax.tree.map(lambda x: x[None], new)
         loss = jax.lax.psum(value, WORKERS) * o.loss_scale
+        return loss, jax.tree.unflatten(treedef, out)
+
+    def local_gradient(self, value, leaves, treedef):
+        """Local SGD: this worker's own gradient, scaled so that the workers' mean is the
+        synchronous gradient (n x loss_scale x its own); no collective. The NaN flags stay
+        per worker (the host counts them). The loss is the global one on an averaging step
+        (a scalar beside the parameters' exchange), this worker's own on a local step."""
+        o = self.owner
+        self.bad = jnp.stack([(~jnp.isfinite(g)).any().astype(jnp.int32) for g in leaves])
+        self.new_state = self.state
+        scale = o.num_workers * o.loss_scale
+        out = [g if scale == 1 else (g * scale).astype(g.dtype) for g in leaves]
+        if o.mode(self.phase) == "average":
+            loss = jax.lax.psum(value, WORKERS) * o.loss_scale
+        else:
+            loss = value if scale == 1 else value * scale
         return loss, jax.tree.unflatten(treedef, out)
 
 
@@ -124,8 +168,17 @@ class CompressedExecutable:
         self.plan = plan
         self.spec = spec
         method = C.from_config(spec.exchange)
-        self.delay, self.method = ((method.delay, method.compressor)
-                                   if isinstance(method, C.DelayedAveraging) else (0, method))
+        self.local_sgd = method if isinstance(method, C.LocalSGD) else None
+        if isinstance(method, C.DelayedAveraging):
+            self.delay, self.method = method.delay, method.compressor
+        elif self.local_sgd is not None:
+            # The gradient exchange runs only in post-local SGD's warm-up: exact.
+            self.delay, self.method = 0, C.Dense()
+        else:
+            self.delay, self.method = 0, method
+        # Local SGD: how the parameters (deltas, when lossy) are averaged.
+        self.averager = method.compressor if self.local_sgd is not None else None
+        self.keeps_anchor = self.averager is not None and self.averager.lossy
         n = len(plan.stages[0].devices)
         self.num_nodes = spec.num_workers if spec.axis == "node" else 1
         self.local = n // self.num_nodes
@@ -143,12 +196,29 @@ class CompressedExecutable:
         self._state = None
         self._one_state = None      # one worker's state shapes (this executable's signature)
         self._compiled: dict[Any, Any] = {}
-        self._replicas: dict[int, jax.Array] = {}   # delayed: input leaf -> per-worker copies
-        self._returned: dict[int, Any] = {}         # delayed: input leaf -> what we returned
+        # Delayed averaging, local SGD: input leaf -> per-worker copies / what we returned.
+        self._replicas: dict[int, jax.Array] = {}
+        self._returned: dict[int, Any] = {}
         ties = traced.graph.output_ties
         self.ties = {o: i for o, i in enumerate(ties) if i is not None}
-        # Delayed averaging keeps a copy per worker of every input a result replaces.
-        self.per_worker = frozenset(self.ties.values()) if self.delay else frozenset()
+        # Delayed averaging and local SGD keep a copy per worker of every input a result
+        # replaces (parameters, optimizer state).
+        self.per_worker = (frozenset(self.ties.values()) if self.delay or self.local_sgd
+                           else frozenset())
+        # Local SGD averages the parameters: inputs differentiated by al.value_and_grad
+        # that a result replaces, in input order (k-th: state["anchor"][k]).
+        graph = traced.graph
+        params = {j for j, tid in enumerate(graph.inputs) if graph.tensors[tid].role is
+                  Role.PARAM}
+        self.averaged = (tuple(sorted(j for j in self.ties.values() if j in params))
+                         if self.local_sgd is not None else ())
+        self.averaged_outputs = {o: self.averaged.index(j) for o, j in self.ties.items()
+                                 if j in self.averaged}
+        if self.local_sgd is not None and not self.averaged:
+            raise ValueError(
+                "local SGD averages the parameters the step returns, but no result of this "
+                "step replaces an input it differentiates with al.value_and_grad; return "
+                "the updated parameters (same structure, shapes and dtypes as the input)")
 
     # ---- the exchange of one leaf -----------------------------------------------------
 
@@ -158,8 +228,8 @@ class CompressedExecutable:
             return (shape[0] // self.local,) + tuple(shape[1:])
         return tuple(shape)
 
-    def exchange_leaf(self, g, state, phase, shared_key, worker_key, node_key):
-        m = self.method
+    def exchange_leaf(self, g, state, phase, shared_key, worker_key, node_key, method=None):
+        m = self.method if method is None else method
         if self.num_nodes == 1 or self.local == 1:
             # Flat: over both axes, one of which has size 1 (an axis all the same).
             return m.reduce(g, state, axis_name=WORKERS,
@@ -180,6 +250,67 @@ class CompressedExecutable:
         if self.local > 1:
             total = jax.lax.all_gather(total, "local", to="invarying")[0]
         return total, state
+
+    def phase_of(self, step: int):
+        """The static phase of step `step` (from 0): one program is compiled per phase. The
+        compressor's own (DGC's warm-up); under local SGD ("warmup",), ("local",) or
+        ("average", the parameter exchange's compressor phase)."""
+        ls = self.local_sgd
+        if ls is None:
+            return self.method.phase(step)
+        if ls.is_warmup(step):
+            return ("warmup",)
+        if ls.averages_at(step):
+            return ("average", self.averager.phase(step))
+        return ("local",)
+
+    def mode(self, phase) -> str:
+        """What a step of this phase does: "sync" (the gradients are exchanged), or local
+        SGD's "local" (nothing is) and "average" (the parameters are, after the step)."""
+        if self.local_sgd is None or not phase or phase[0] == "warmup":
+            return "sync"
+        return phase[0]
+
+    def average_parameters(self, outs: list, state, phase, shared_key):
+        """Local SGD, after the user's step inside the worker: (results, new state).
+
+        Averaging step: each averaged parameter result w_j becomes the workers' mean, as
+        `(1/n) sum_k w_k` with Dense() or `a + (1/n) C(sum_k (w_k - a))` with a lossy
+        compressor C, `a` the last average, which it then replaces (compression.local_sgd).
+        Warm-up step: the (identical) new parameters become the last average. Local step:
+        nothing. `state` is stacked (a leading axis of 1), as the hook returns it."""
+        mode = self.mode(phase)
+        if mode == "local":
+            return outs, state
+        cur = jax.tree.map(lambda x: x[0], state)
+        anchors, residuals = list(cur["anchor"]), list(cur["average"])
+        if mode == "sync":          # warm-up: synchronous, every worker holds the average
+            if self.keeps_anchor:
+                for o, k in self.averaged_outputs.items():
+                    anchors[k] = outs[o]
+        else:
+            n = self.num_workers
+            avg_key = jax.random.fold_in(shared_key, _AVERAGE_KEY)
+            worker = jax.lax.axis_index("node") * self.local + jax.lax.axis_index("local")
+            node_key = jax.random.fold_in(avg_key, jax.lax.axis_index("node"))
+            worker_key = jax.random.fold_in(avg_key, self.num_nodes + worker)
+            for o, k in self.averaged_outputs.items():
+                w = outs[o]
+                keys = (jax.random.fold_in(avg_key, k), jax.random.fold_in(worker_key, k),
+                        jax.random.fold_in(node_key, k))
+                if self.keeps_anchor:
+                    a = anchors[k].astype(jnp.float32)
+                    total, residuals[k] = self.exchange_leaf(
+                        w.astype(jnp.float32) - a, residuals[k], phase[1], *keys,
+                        method=self.averager)
+                    outs[o] = anchors[k] = (a + total / n).astype(w.dtype)
+                else:
+                    total, residuals[k] = self.exchange_leaf(
+                        w.astype(jnp.float32), residuals[k], phase[1], *keys,
+                        method=self.averager)
+                    outs[o] = (total / n).astype(w.dtype)
+        new = dict(cur, anchor=anchors, average=residuals)
+        return outs, jax.tree.map(lambda x: x[None], new)
 
     def delayed_update(self, grads, averages, state):
         """Delayed averaging: (corrected gradients, new sent queue, new averages queue).
@@ -310,8 +441,12 @@ class CompressedExecutable:
         treedef, in_specs, _ = self._specs(args)
         per_worker = self.per_worker
         out_leaves = self.traced.out_tree.num_leaves
-        out_specs = [P(WORKERS) if self.ties.get(o) in per_worker else P()
+        mode = self.mode(phase)
+        # A local SGD step moves nothing between workers: every result and the NaN flags
+        # come back one row per worker (`__call__` reads worker 0's / sums the flags).
+        out_specs = [P(WORKERS) if self.ties.get(o) in per_worker or mode == "local" else P()
                      for o in range(out_leaves)]
+        bad_spec = P(WORKERS) if mode in ("local", "average") else P()
 
         def worker(state, shared_key, *flat):
             flat = [x[0] if j in per_worker else x for j, x in enumerate(flat)]
@@ -319,14 +454,19 @@ class CompressedExecutable:
             with gradient_hook(hook):
                 outs = self.fn(*jax.tree.unflatten(treedef, flat))
             outs = jax.tree.leaves(outs)
+            new_state = hook.new_state
+            if self.local_sgd is not None:
+                outs, new_state = self.average_parameters(list(outs), new_state, phase,
+                                                          shared_key)
             outs = [x[None] if s == P(WORKERS) else x for x, s in zip(outs, out_specs)]
-            return outs, hook.new_state, hook.bad
+            bad = hook.bad[None] if bad_spec == P(WORKERS) else hook.bad
+            return outs, new_state, bad
 
         state_spec = jax.tree.map(lambda _: P(WORKERS), self._state)
         mapped = jax.shard_map(worker, mesh=self.mesh,
                                in_specs=(state_spec, P(), *in_specs),
-                               out_specs=(out_specs, state_spec, P()))
-        return jax.jit(mapped), in_specs
+                               out_specs=(out_specs, state_spec, bad_spec))
+        return jax.jit(mapped), in_specs, out_specs
 
     def _init_state(self, args):
         """Zeroes the per-worker state, shaped for these arguments' gradient leaves."""
@@ -358,20 +498,30 @@ class CompressedExecutable:
         if hook.calls == 0:
             raise ValueError("the step never called al.value_and_grad / al.grad: there is "
                              "no gradient to compress")
+        if self.local_sgd is not None:
+            # The last average (lossy exchange only) and the exchange's own state (residuals)
+            # per averaged parameter, which is exchanged in float32.
+            shapes = [(tuple(flat[j].shape), flat[j].dtype) for j in self.averaged]
+            one = dict(one, anchor=[jax.ShapeDtypeStruct(shape, dtype)
+                                    for shape, dtype in shapes] if self.keeps_anchor else [],
+                       average=[jax.eval_shape(lambda s=shape: self.averager.init_state(
+                           self.exchange_shape(s), jnp.float32)) for shape, _ in shapes])
         self._one_state = one
         return one
 
     def _prepare(self, args):
-        """(program, its input specs, the placed argument leaves) for this step."""
+        """(program, its input specs, the placed argument leaves, its output specs) for
+        this step."""
         flat = jax.tree.leaves(args)
         if self._state is None:
             self._init_state(args)
-        phase = self.method.phase(self.step)
+        phase = self.phase_of(self.step)
         if phase not in self._compiled:
             self._compiled[phase] = self._program(args, phase)
-        program, in_specs = self._compiled[phase]
+        program, in_specs, out_specs = self._compiled[phase]
         n = self.num_workers
         placed = []
+        anchors = list(self._state["anchor"]) if self.keeps_anchor else []
         for j, (x, spec) in enumerate(zip(flat, in_specs)):
             if j in self._replicas and self._returned.get(j) is x:
                 placed.append(self._replicas[j])
@@ -379,11 +529,16 @@ class CompressedExecutable:
             if j in self.per_worker:
                 x = jnp.broadcast_to(jnp.asarray(x)[None], (n,) + tuple(np.shape(x)))
             placed.append(place(x, NamedSharding(self.mesh, spec)))
-        return program, in_specs, placed
+            if j in self.averaged and self.keeps_anchor:
+                # Every worker restarts from the value passed: it is the last average.
+                anchors[self.averaged.index(j)] = placed[-1]
+        if self.keeps_anchor:
+            self._state = dict(self._state, anchor=anchors)
+        return program, in_specs, placed, out_specs
 
     def hlo(self, *args) -> str:
         """The compiled program of the next step for these arguments, as HLO text."""
-        program, _, placed = self._prepare(args)
+        program, _, placed, _ = self._prepare(args)
         shared_key = jax.random.fold_in(self.base_key, self.step)
         return program.lower(self._state, shared_key, *placed).compile().as_text()
 
@@ -393,7 +548,7 @@ class CompressedExecutable:
 
     def __call__(self, *args):
         flat = jax.tree.leaves(args)
-        program, in_specs, placed = self._prepare(args)
+        program, in_specs, placed, out_specs = self._prepare(args)
         n = self.num_workers
         shared_key = jax.random.fold_in(self.base_key, self.step)
         try:
@@ -409,6 +564,8 @@ class CompressedExecutable:
                     f"JAX said: {e}") from None
             raise
         bad = np.asarray(bad)
+        if bad.ndim == 2:           # local SGD: one row of flags per worker
+            bad = bad.sum(0)
         if bad.any():
             names = [self.grad_names[i] for i in np.flatnonzero(bad)]
             message = (f"non-finite gradient (NaN or Inf) in {', '.join(names[:5])}"
@@ -417,18 +574,36 @@ class CompressedExecutable:
             if self.on_nonfinite == "skip":
                 warnings.warn(message + "; the update was skipped", stacklevel=3)
                 out_flat = jax.tree.leaves(outs)
-                kept = [flat[self.ties[o]] if o in self.ties else x
+                kept = [flat[self.ties[o]] if o in self.ties else
+                        x[0] if out_specs[o] == P(WORKERS) else x
                         for o, x in enumerate(out_flat)]
                 return jax.tree.unflatten(self.traced.out_tree, kept)
             raise NonFiniteGradientError(message + "; nothing was updated. Pass "
                                          "on_nonfinite='skip' to skip such steps")
         self._state = new_state
         self.step += 1
-        results = []
-        for o, x in enumerate(outs):
+        results = list(outs)
+        # Per-worker copies are kept, and worker 0's returned; so are the other results
+        # of local SGD's local step (one row per worker).
+        rows = [o for o in range(len(results)) if out_specs[o] == P(WORKERS)]
+        for o, x in zip(rows, self._worker0([results[o] for o in rows])):
             j = self.ties.get(o)
-            if self.delay and j is not None:     # per-worker copies: keep, return worker 0's
-                self._replicas[j] = x
-                x = self._returned[j] = x[0]
-            results.append(x)
+            if j in self.per_worker:
+                self._replicas[j] = results[o]
+                self._returned[j] = x
+            results[o] = x
         return jax.tree.unflatten(self.traced.out_tree, results)
+
+    def _worker0(self, stacked: list) -> list:
+        """Worker 0's row of each array stacked over workers. With one process it is read
+        from worker 0's device and stays there: nothing crosses devices (`x[0]` would
+        gather it and copy it to every device, a broadcast per step). With several, `x[0]`:
+        a multi-controller program must hand every process the same global arrays."""
+        if not stacked:
+            return []
+        if jax.process_count() > 1:
+            return [x[0] for x in stacked]
+        first = self.mesh.devices.flat[0]          # worker 0's device holds row 0
+        rows = [next(sh.data for sh in x.addressable_shards if sh.device == first)
+                for x in stacked]
+        return _drop_worker_axis(rows)

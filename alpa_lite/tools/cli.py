@@ -7,6 +7,7 @@
     alpa-lite show plan.json [--png plan.png]            # tables; pictures
     alpa-lite compare gpt-2.6b --cluster 8xV100          # auto vs the Megatron grid, ranked
     alpa-lite explain plan.json [--op NAME]              # why each stage / sharding
+    alpa-lite explain plan.json --stragglers exp:20      # late replicas: sync, drop-k, coded
     alpa-lite calibrate -o mycluster.json [--quick]      # measure the local devices
     alpa-lite launch -n 2 --cpu-devices 4 train.py ...   # N local JAX processes
 
@@ -450,12 +451,22 @@ def cmd_explain(args) -> int:
         _check_plan_cluster(plan, cluster)
     else:
         cluster = None
+    delays, ks = _straggler_args(args)
     out = _stdout()
     if args.op is None:
         if args.target or args.batch_size or args.dtype:
             raise UsageError("--target/--batch-size/--dtype rebuild the step for --op")
-        out.print(explain.stage_text(plan, args.stage), markup=False, highlight=False)
+        text = explain.stage_text(plan, args.stage)
+        if delays is not None:
+            try:
+                text += explain.straggler_text(plan, delays, ks)
+            except ValueError as err:
+                raise UsageError(f"--straggler-k: {err}") from None
+        out.print(text, markup=False, highlight=False)
         return 0
+    if delays is not None:
+        raise UsageError("--stragglers simulates the plan's data-parallel replicas; leave "
+                         "out --op (it explains one operator)")
     if cluster is None:
         from alpa_lite.cost_models.cluster import Cluster
         if plan.cluster_name not in Cluster.presets():
@@ -478,6 +489,29 @@ def cmd_explain(args) -> int:
             raise UsageError(str(err)) from None
     out.print(explain.op_text(e), markup=False, highlight=False)
     return 0
+
+
+def _straggler_args(args):
+    """(delay model or None, ks or None) of explain's --stragglers / --straggler-k."""
+    from alpa_lite.cost_models.stragglers import parse_delay_model
+    if args.stragglers is None:
+        if args.straggler_k is not None:
+            raise UsageError("--straggler-k needs --stragglers MODEL (e.g. --stragglers exp:20)")
+        return None, None
+    try:
+        delays = parse_delay_model(args.stragglers)
+    except ValueError as e:
+        raise UsageError(f"--stragglers: {e}") from None
+    if args.straggler_k is None:
+        return delays, None
+    try:
+        ks = tuple(int(k) for k in args.straggler_k.split(","))
+    except ValueError:
+        ks = ()
+    if not ks or min(ks) < 1:
+        raise UsageError(f"--straggler-k {args.straggler_k!r}: expected positive integers "
+                         "separated by commas, e.g. --straggler-k 1,4")
+    return delays, tuple(sorted(set(ks)))
 
 
 def cmd_calibrate(args) -> int:
@@ -668,6 +702,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="the step, if the plan does not record it")
     p.add_argument("--batch-size", type=_positive, default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--stragglers", metavar="MODEL",
+                   help="also tabulate the expected step when data-parallel replicas are "
+                        "late: sync all-reduce, dropping the k slowest, gradient coding "
+                        "(the last two simulated only). MODEL: exp:MEAN[:scaled] (exponential "
+                        "delay, MEAN in ms, or with s/us, e.g. exp:20) or samples:FILE"
+                        "[:scaled] (measured delays in ms)")
+    p.add_argument("--straggler-k", metavar="K,...",
+                   help="--stragglers: the k dropped and s tolerated, e.g. 1,4 (default: "
+                        "1, 2 and replicas/8)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(run=cmd_explain)
 

@@ -17,6 +17,10 @@ Two levels, answered from different places:
   `solvers.sharding_ilp.evaluate`, every other choice held as the plan has it. The
   problem is too large to serialise (tens of thousands of variables), and rebuilding it is
   the only way to cost strategies the solver did not pick.
+- Stragglers (`--stragglers MODEL`): the plan's data-parallel replicas late by a delay
+  model, and the expected step under synchronous all-reduce, dropping the k slowest and
+  gradient coding (`cost_models.stragglers`), from the plan's own step-time breakdown
+  (`straggler_inputs`). Only the first runs as SPMD; the other two are simulated.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ from alpa_lite.api import ParallelizedStep
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.ir.graph import Role
 from alpa_lite.ir.step_parts import split_step
-from alpa_lite.plan import Plan, StagePlan
+from alpa_lite.cost_models import stragglers
+from alpa_lite.plan import Plan, StagePlan, SyncCollective
 from alpa_lite.plan.methods import Auto, DataParallel, Manual
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
 from alpa_lite.plan.text import choices_table, fmt_bytes, step_time_table
+from alpa_lite.plan.timing import TimeKind
 from alpa_lite.planning.intra_op import BuiltStage, StageOptions, build_stage
 from alpa_lite.planning.pipeline import PipelinePlanner, forward_names, layer_node_ranges
 from alpa_lite.planning.spmd import manual_pins
@@ -337,4 +343,137 @@ def op_text(e: OpExplanation) -> str:
     console.print(table)
     if len(e.strategies) == 1:
         console.print("no other strategy: the method's pins leave this operator one choice")
+    return buf.getvalue()
+
+
+# ---- stragglers ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StragglerInputs:
+    """What the straggler model takes from a plan (`straggler_inputs`).
+
+    Attributes:
+      num_workers: the data-parallel replicas: the devices (or device groups) whose partial
+        gradients the gradient all-reduce sums.
+      workers_note: how `num_workers` was found.
+      compute_s: T, a replica's step on its share of the batch: the plan's step less its
+        gradient sync and optimizer update (compute, intra-op collectives, a pipeline's
+        bubble and sends: everything that grows with the share).
+      sync_s: the gradient sync the step waits for after the backward (the exposed part;
+        the part hidden under the backward stays hidden under a late replica's backward).
+      fixed_s: the optimizer update.
+    """
+    num_workers: int
+    workers_note: str
+    compute_s: float
+    sync_s: float
+    fixed_s: float
+
+
+def data_parallel_replicas(plan: Plan) -> tuple[int, str]:
+    """(replicas, how they were counted). A compressed plan: every device is a worker.
+    Otherwise per stage, the mesh axes over which most of its gradient bytes are reduced
+    (`Plan.gradient_sync`): a parameter's gradient is a partial sum over exactly the axes
+    that split the batch, so their size is the number of replicas; a pipelined plan takes
+    its stage with the most (a replica is then one device group per stage, late when any
+    of them is)."""
+    if plan.compression is not None:
+        return (len(plan.stages[0].devices),
+                "every device is a worker of the compressed exchange")
+    best = (1, "no gradient is reduced across devices")
+    for s, st in enumerate(plan.stages):
+        by_axes: dict[tuple[str, ...], int] = {}
+        for g in plan.gradient_sync:
+            if g.stage == s and g.axes and g.collective is not SyncCollective.NONE:
+                by_axes[g.axes] = by_axes.get(g.axes, 0) + g.nbytes * max(g.count, 1)
+        if not by_axes:
+            continue
+        axes = max(by_axes, key=lambda a: (by_axes[a], a))
+        size = dict(zip(st.axis_names, st.mesh_shape))
+        n = 1
+        for a in axes:
+            n *= size[a]
+        if n > best[0]:
+            where = f"stage {s}'s " if len(plan.stages) > 1 else ""
+            best = (n, f"{where}mesh axes {' x '.join(f'{a}={size[a]}' for a in axes)}, "
+                       "over which the gradients are reduced")
+    return best
+
+
+def straggler_inputs(plan: Plan) -> StragglerInputs:
+    """The replicas and the step's parts (`StragglerInputs`) from the plan's own estimate."""
+    n, how = data_parallel_replicas(plan)
+    total = plan.step_time_s
+    if plan.step_time is not None:
+        sync = plan.step_time.seconds(TimeKind.GRADIENT_SYNC) + \
+            plan.step_time.seconds(TimeKind.COMPRESSION)
+        fixed = plan.step_time.seconds(TimeKind.OPTIMIZER_UPDATE)
+    else:   # a plan without its breakdown (an older alpa_lite): the engine's own parts
+        fixed = plan.pipeline.apply_s if plan.pipeline is not None else 0.0
+        if plan.compression is not None:
+            sync = plan.compression.sync_s
+        elif plan.pipeline is not None:
+            sync = plan.pipeline.reduce_s
+        else:
+            sync = sum(g.time_s for g in plan.gradient_sync)
+    sync = min(sync, total)
+    fixed = min(fixed, total - sync)
+    return StragglerInputs(num_workers=n, workers_note=how, compute_s=total - sync - fixed,
+                           sync_s=sync, fixed_s=fixed)
+
+
+def straggler_text(plan: Plan, delays: stragglers.DelayModel,
+                   ks: tuple[int, ...] | None = None, samples: int = 20_000,
+                   seed: int = 0) -> str:
+    """The straggler table of a plan: one row per policy (`cost_models.stragglers`).
+
+    Raises:
+      ValueError: a k of `ks` the plan's replicas cannot drop or tolerate.
+    """
+    inp = straggler_inputs(plan)
+    n = inp.num_workers
+    buf = io.StringIO()
+    console = _console(buf)
+    console.print(f"\nstragglers: {n} data-parallel replica{'s' if n > 1 else ''} "
+                  f"({inp.workers_note}), each late by {delays.describe()}", markup=False)
+    console.print(f"  T = {fmt_time(inp.compute_s)} per replica (the plan's step less gradient "
+                  f"sync and update), all-reduce {fmt_time(inp.sync_s)} (its exposed gradient "
+                  f"sync), update {fmt_time(inp.fixed_s)}", markup=False)
+    if n == 1:
+        if ks:
+            raise ValueError(f"k={','.join(map(str, ks))}: the plan has one "
+                             "data-parallel replica, none to drop or code around")
+        schemes = (stragglers.StragglerScheme(stragglers.StragglerPolicy.SYNC),)
+        console.print("  one replica: nobody to drop or code around; its delay adds to "
+                      "the step")
+    else:
+        schemes = stragglers.default_schemes(n, ks)
+    rows = stragglers.expected_step_times(n, inp.compute_s, inp.sync_s, delays, schemes,
+                                          fixed_s=inp.fixed_s, samples=samples, seed=seed)
+    sync_s = rows[0].expected_step_s
+    table = Table(show_edge=False)
+    for col in ("policy", "expected step", "vs sync", "Monte Carlo", "waits", "+compute",
+                "grad x", "SPMD", "notes"):
+        table.add_column(col, justify="left" if col in ("policy", "notes", "SPMD")
+                         else "right", no_wrap=col != "notes")
+    for r in rows:
+        table.add_row(r.scheme.label, fmt_time(r.expected_step_s),
+                      f"{r.expected_step_s / sync_s:.3f}x" if sync_s > 0 else "-",
+                      f"{fmt_time(r.monte_carlo_s)} ± {fmt_time(r.monte_carlo_stderr_s)}",
+                      f"{r.waits_for}/{n}", fmt_time(r.extra_compute_s),
+                      f"{r.gradient_scale:.4g}", "runs" if r.spmd_executable else "simulated",
+                      escape(r.note))
+    console.print(table)
+    closed = rows[0].closed_form_s is not None
+    console.print(
+        "E[step] = load x T + E[r-th earliest delay of n] + all-reduce + update; "
+        + ("exponential delays: E[r-th of n] = mean x (H_n - H_(n-r)) (Renyi), the Monte "
+           "Carlo column a cross-check" if closed else "no closed form for measured "
+           "delays: the expected step is the Monte Carlo mean")
+        + f" ({samples} draws, seed {seed}). Dropping the k slowest rescales the sum of "
+        "the others by n/(n-k) to stay unbiased (while lateness is independent of the "
+        "data); coded: gradient coding, each replica computes s+1 shares and any n-s "
+        "decode the exact gradient. Both are simulated only: every device must join each "
+        "SPMD collective, so the SPMD program cannot leave the late ones out.", markup=False)
     return buf.getvalue()
