@@ -71,7 +71,7 @@ def test_exact_exchange_matches_jit(example, num_nodes):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("method", [C.PowerSGD(rank=1), C.TopK(0.1), C.DGC(0.9, momentum=0.9),
+@pytest.mark.parametrize("method", [C.PowerSGD(rank=1), C.TopK(0.1), C.DGC(0.9, momentum=0.0),
                                     C.OneBit(), C.QSGD(levels=4), C.TernGrad(), C.SignSGD(),
                                     C.RandomK(0.25), C.Cast("bf16")],
                          ids=lambda m: m.name)

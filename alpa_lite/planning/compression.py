@@ -32,6 +32,7 @@ from typing import Mapping
 import jax
 
 from alpa_lite import compression as C
+from alpa_lite.compression.momentum import refuse_double_momentum
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.cost_models.gradient_sync import (
     GradientLeaf,
@@ -130,6 +131,10 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
     """Plans `traced` as data parallelism with the gradient exchange `compression` (module
     docstring). `loss_scale` is how per-worker losses combine (1/n for a mean, 1 for a sum).
     """
+    # DGC's momentum correction needs a plain-SGD optimizer (compression.momentum).
+    refuse_double_momentum(compression, traced.graph.tensors_with_role(Role.OPT_STATE),
+                           [t.shape for t in traced.graph.tensors_with_role(Role.PARAM)],
+                           tensor_names)
     if isinstance(method, Manual) and (method.tp != 1 or method.pipelined):
         raise PlanningError(
             f"gradient compression runs data parallelism over every device; {method!r} "
