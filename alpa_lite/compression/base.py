@@ -71,6 +71,11 @@ class Compressor(abc.ABC):
         del step
         return ()
 
+    def state_bytes(self, shape: tuple[int, ...], dtype) -> int:
+        """Bytes of the state `init_state` keeps for a leaf of this shape (shapes only)."""
+        state = jax.eval_shape(lambda: self.init_state(tuple(shape), dtype))
+        return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))
+
     @abc.abstractmethod
     def reduce(self, grad, state, *, axis_name: str, num_workers: int, phase: Hashable,
                shared_key, worker_key) -> tuple[jax.Array, PyTree]:
@@ -131,6 +136,17 @@ def safe_divide(num: jax.Array, den: jax.Array) -> jax.Array:
 def count_of(numel: int, fraction: float) -> int:
     """How many of `numel` elements a `fraction` keeps: at least 1, at most all."""
     return max(1, min(numel, round(numel * fraction)))
+
+
+def require_synchronous(owner: str, compressor, what: str) -> None:
+    """Raises ValueError unless `compressor` is a compressor whose result agrees on every
+    worker; `what` says what must agree (e.g. "the averages")."""
+    if not isinstance(compressor, Compressor):
+        raise ValueError(f"{owner}: compressor must be an alpa_lite.compression "
+                         f"compressor, got {compressor!r}")
+    if not compressor.synchronous:
+        raise ValueError(f"{owner}: {what} must agree on every worker; "
+                         f"{compressor.name} is not synchronous")
 
 
 def require_fraction(owner: str, field: str, value: float, *, closed_above: bool) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from alpa_lite.compression.base import Compressor
+from alpa_lite.compression.base import Compressor, require_synchronous
 from alpa_lite.compression.dense import Dense
 
 
@@ -40,12 +40,7 @@ class DelayedAveraging:
     def __post_init__(self):
         if not (isinstance(self.delay, int) and self.delay >= 1):
             raise ValueError(f"DelayedAveraging: delay must be an int >= 1, got {self.delay!r}")
-        if not isinstance(self.compressor, Compressor):
-            raise ValueError("DelayedAveraging: compressor must be an alpa_lite.compression "
-                             f"compressor, got {self.compressor!r}")
-        if not self.compressor.synchronous:
-            raise ValueError(f"DelayedAveraging: the averages must agree on every worker; "
-                             f"{self.compressor.name} is not synchronous")
+        require_synchronous("DelayedAveraging", self.compressor, "the averages")
 
     def describe(self) -> str:
         return f"delayed averaging D={self.delay}, exchanged as {self.compressor.describe()}"

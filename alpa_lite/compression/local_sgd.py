@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from alpa_lite.compression.base import Compressor
+from alpa_lite.compression.base import Compressor, require_synchronous
 from alpa_lite.compression.dense import Dense
 
 
@@ -91,12 +91,7 @@ class LocalSGD:
                 or self.warmup_steps < 0:
             raise ValueError(f"LocalSGD: warmup_steps must be an int >= 0 (synchronous steps "
                              f"before local ones), got {self.warmup_steps!r}")
-        if not isinstance(self.compressor, Compressor):
-            raise ValueError("LocalSGD: compressor must be an alpa_lite.compression "
-                             f"compressor, got {self.compressor!r}")
-        if not self.compressor.synchronous:
-            raise ValueError(f"LocalSGD: the average must agree on every worker; "
-                             f"{self.compressor.name} is not synchronous")
+        require_synchronous("LocalSGD", self.compressor, "the average")
         if getattr(self.compressor, "momentum", 0.0):
             raise ValueError(f"LocalSGD: {self.compressor.name}'s momentum correction treats "
                              f"what it sends as a gradient, but local SGD sends parameter "

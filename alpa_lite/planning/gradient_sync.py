@@ -259,9 +259,8 @@ def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
     dense = StageSync(new, records, reduce_s)
     if exchange is None:
         return dense
-    shards = [GradShard(tuple(d // math.prod(mesh.axis_size(a) for a in dims)
-                              for d, dims in zip(fb.tensors[g].shape, out_spec[g].dims)),
-                        fb.tensors[g].dtype) for _, g in grads]
+    shards = [GradShard(out_spec[g].local_shape(fb.tensors[g].shape, mesh), fb.tensors[g].dtype)
+              for _, g in grads]
     chosen = choose_exchange(exchange, shards, comm, axes)
     if chosen is None:      # compressing saves nothing on these axes' links
         return dense

@@ -21,7 +21,6 @@ import dataclasses
 import math
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 
 from alpa_lite import compression as C
@@ -91,12 +90,6 @@ class GradShard:
         return math.prod(self.shape) * self.itemsize
 
 
-def state_bytes(compressor: C.Compressor, shape: tuple[int, ...], dtype: str) -> int:
-    """Bytes of the state `compressor` keeps for one gradient shard (shapes only)."""
-    state = jax.eval_shape(lambda: compressor.init_state(shape, jnp.dtype(dtype)))
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))
-
-
 @dataclasses.dataclass(frozen=True)
 class ChosenExchange:
     """A stage's exchange: the record the Plan keeps, and the time of each gradient's part
@@ -135,7 +128,8 @@ def choose_exchange(request: ExchangeRequest, shards: Sequence[GradShard], comm:
             else (plain_s * s.nbytes / plain if plain else 0.0)
             for s, k, u in zip(shards, costs, use))
         wire = tuple(k.wire_bytes if u else k.dense_wire_bytes for k, u in zip(costs, use))
-        state = sum(state_bytes(c, s.shape, s.dtype) for s, u in zip(shards, use) if u)
+        state = sum(c.state_bytes(s.shape, jnp.dtype(s.dtype)) for s, u in zip(shards, use)
+                    if u)
         sync_s = sum(grad_s)
         if best is None or sync_s < best.exchange.sync_s:
             best = ChosenExchange(

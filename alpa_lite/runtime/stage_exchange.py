@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from alpa_lite import compression as C
 from alpa_lite.ir.graph import as_dtype
 from alpa_lite.plan import StageExchange
-from alpa_lite.plan.sharding import TensorSpec
+from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
 from alpa_lite.runtime.spmd import partition_spec
 
 
@@ -58,10 +58,9 @@ class CompressedReduce:
         self.others = tuple(a for a in mesh.axis_names if a not in self.axes)
         self.specs = [partition_spec(s) for s in grad_specs]
         self.stacked = [P(self.axes, *s) for s in self.specs]
-        self.local_shapes = [
-            tuple(d // math.prod(mesh.shape[a] for a in dims)
-                  for d, dims in zip(shape, spec.dims))
-            for shape, spec in zip(grad_shapes, grad_specs)]
+        logical = LogicalMesh(tuple(mesh.shape.values()), tuple(mesh.axis_names))
+        self.local_shapes = [spec.local_shape(shape, logical)
+                             for shape, spec in zip(grad_shapes, grad_specs)]
         self.dtypes = [as_dtype(d) for d in grad_dtypes]
         self.per_device = NamedSharding(mesh, P(tuple(mesh.axis_names)))
         self.out_shardings = [NamedSharding(mesh, s) for s in self.specs]
