@@ -29,6 +29,7 @@ from alpa_lite.ir.tracing import TracedStep, trace
 from alpa_lite.plan import Choice, Plan
 from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, method_to_json
 from alpa_lite.planning.auto_search import SearchSpace, search_auto
+from alpa_lite.compression.momentum import refuse_double_momentum
 from alpa_lite.planning.cache import cache_key, load_plan, save_plan
 from alpa_lite.planning.compression import make_compressed_plan
 from alpa_lite.planning.hybrid_search import best_hybrid, hybrid_layouts
@@ -169,6 +170,14 @@ class ParallelizedStep:
     def _make_plan(self, args, traced: TracedStep, cluster: Cluster, pipelined: bool,
                    progress: Progress | None) -> Plan:
         names = outer_names_of(traced)
+        if self.compression is not None:
+            # DGC's momentum correction needs a plain-SGD optimizer, in every kind of plan;
+            # the whole step's trace tells parameters from optimizer state (the outer trace
+            # of a pipelined step holds the parameters as plain inputs).
+            whole = self.trace(*args)
+            refuse_double_momentum(self.compression, whole.graph.tensors_with_role(
+                Role.OPT_STATE), [t.shape for t in whole.graph.tensors_with_role(Role.PARAM)],
+                outer_names_of(whole))
         if self.compression is not None and self._compresses_hybrid():
             return make_pipeline_plan(self.parts(*args), self.method, cluster,
                                       traced.fingerprint, traced.input_avals, names,

@@ -103,13 +103,13 @@ def transformer(layout: str):
     return lm.hf_bert(batch_size=8) if layout == "dp2_tp4" else tiny_encoder()
 
 
-def mlp_case():
+def mlp_case(tx=None):
     def loss_fn(p, batch):
         x, y = batch
         h = jnp.tanh(x @ p["w1"] + p["b1"])
         return jnp.mean((h @ p["w2"] - y) ** 2)
 
-    tx = optax.sgd(0.1)
+    tx = tx or optax.sgd(0.1)
 
     def step(p, s, batch):
         loss, g = al.value_and_grad(loss_fn)(p, batch)
@@ -245,3 +245,11 @@ def test_hybrid_layouts_of_auto_compression():
     assert micro_batch_count(64, 4, 2) == 8          # 4 x pp
     assert micro_batch_count(64, 4, 1) == 1
     assert micro_batch_count(8, 4, 2) is None        # one example per replica at best
+
+
+def test_dgc_momentum_beside_a_momentum_optimizer_is_refused_in_hybrid_plans():
+    """The double-momentum check (compression.momentum) covers hybrid plans too."""
+    step, args = mlp_case(tx=optax.sgd(0.1, momentum=0.9))
+    with pytest.raises(PlanningError, match="momentum would be applied twice"):
+        al.parallelize(step, method=DP2_TP4, cluster=slow_nodes(2),
+                       compression=C.DGC(0.99)).plan(*args)

@@ -25,14 +25,11 @@ it may be listed in `allow`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Mapping
 
-import jax
 
 from alpa_lite import compression as C
-from alpa_lite.compression.momentum import refuse_double_momentum
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.cost_models.gradient_sync import (
     GradientLeaf,
@@ -76,8 +73,7 @@ def state_bytes(method, leaves: list[GradientLeaf], cluster: Cluster) -> float:
     total = 0.0
     for leaf in leaves:
         shape, _, _ = exchange_layout(cluster, leaf)
-        state = jax.eval_shape(lambda: exchange.init_state(shape, "float32"))
-        total += sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+        total += exchange.state_bytes(shape, "float32")
         # Delayed averaging keeps the last D local gradients and D - 1 averages.
         total += (2 * delay - 1) * leaf.numel * leaf.itemsize if delay else 0.0
         # Local SGD with a lossy exchange keeps the last average (the parameter's dtype).
@@ -132,9 +128,6 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
     docstring). `loss_scale` is how per-worker losses combine (1/n for a mean, 1 for a sum).
     """
     # DGC's momentum correction needs a plain-SGD optimizer (compression.momentum).
-    refuse_double_momentum(compression, traced.graph.tensors_with_role(Role.OPT_STATE),
-                           [t.shape for t in traced.graph.tensors_with_role(Role.PARAM)],
-                           tensor_names)
     if isinstance(method, Manual) and (method.tp != 1 or method.pipelined):
         raise PlanningError(
             f"gradient compression runs data parallelism over every device; {method!r} "
