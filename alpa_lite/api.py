@@ -29,9 +29,8 @@ from alpa_lite.ir.tracing import TracedStep, trace
 from alpa_lite.plan import Choice, Plan
 from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, method_to_json
 from alpa_lite.planning.auto_search import SearchSpace, search_auto
-from alpa_lite.compression.momentum import refuse_double_momentum
 from alpa_lite.planning.cache import cache_key, load_plan, save_plan
-from alpa_lite.planning.compression import make_compressed_plan
+from alpa_lite.planning.compression import make_compressed_plan, refuse_double_momentum
 from alpa_lite.planning.hybrid_search import best_hybrid, hybrid_layouts
 from alpa_lite.planning.pipeline import make_pipeline_plan
 from alpa_lite.planning.spmd import make_plan, replace_stats

@@ -96,15 +96,17 @@ def test_compressed_plan_predicts_its_exchange_not_dense_collectives():
     assert exe.collectives(*args)     # the exchange, read from the compiled program
 
 
-def test_compression_with_pipelining_is_refused_at_planning():
+def test_compression_a_pipeline_cannot_run_is_refused_at_planning():
+    # Hybrid Manual layouts compress (tests/test_hybrid_compression.py); what they cannot
+    # run is refused when planning, never run uncompressed.
     step_fn, args = example_step("gpt")
-    step = al.parallelize(step_fn, method=al.Manual(dp=4, pp=2, num_micro_batches=2),
+    step = al.parallelize(step_fn, method=al.Auto(num_micro_batches=2),
                           compression=C.PowerSGD(rank=2))
     with pytest.raises(PlanningError, match="compression"):
         step.plan(*args)
-    step = al.parallelize(step_fn, method=al.Manual(dp=2, tp=4),
-                          compression=C.PowerSGD(rank=2))
-    with pytest.raises(PlanningError, match="tensor or pipeline"):
+    step = al.parallelize(step_fn, method=al.Manual(dp=4, pp=2, num_micro_batches=2),
+                          compression=C.DelayedAveraging(delay=2))
+    with pytest.raises(PlanningError, match="pure data-parallel plans"):
         step.plan(*args)
 
 

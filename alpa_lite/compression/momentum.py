@@ -11,18 +11,17 @@ The traced step names its optimizer-state tensors (`Role.OPT_STATE`) by their py
 e.g. "s/0/trace/w" for `optax.sgd(lr, momentum=0.9)` (optax `TraceState`) or "s/0/mu/w" for
 `optax.adam` (`ScaleByAdamState`). `momentum_states` picks those whose path holds a field
 of `MOMENTUM_FIELDS` and whose shape is a parameter's (a momentum buffer is shaped like its
-parameter; step counts are not). `refuse_double_momentum` raises `PlanningError` when DGC
-with momentum would meet one of them.
+parameter; step counts are not). The planner refuses DGC with momentum beside one of them
+(`planning.compression.refuse_double_momentum`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Mapping
+from typing import Iterable
 
 from alpa_lite.compression.sparse import DGC
-from alpa_lite.errors import PlanningError
 
 MOMENTUM_FIELDS: dict[str, str] = {
     "trace": "optax TraceState.trace: SGD momentum (optax.sgd(momentum=...), optax.trace)",
@@ -82,36 +81,3 @@ def dgc_with_momentum(compression) -> tuple[DGC, ...]:
         found += dgc_with_momentum(option)
     inner = getattr(compression, "compressor", None)
     return found + (dgc_with_momentum(inner) if inner is not None else ())
-
-
-def refuse_double_momentum(compression, opt_state_tensors: Iterable[Any],
-                           param_shapes: Iterable[tuple[int, ...]],
-                           names: Mapping[int, str] | None = None) -> None:
-    """Raises PlanningError when DGC with momentum meets an optimizer with momentum.
-
-    Args:
-      compression: what the step was asked to exchange gradients with.
-      opt_state_tensors: the step's optimizer-state tensors (`Graph.tensors_with_role(
-        Role.OPT_STATE)`: objects with `id`, `name` and `shape`).
-      param_shapes: the shapes of the step's parameters.
-      names: the step's own names by tensor id (`tensor_names`), where they differ.
-    """
-    dgcs = dgc_with_momentum(compression)
-    if not dgcs:
-        return
-    names = names or {}
-    found = momentum_states(((names.get(t.id, t.name), tuple(t.shape))
-                             for t in opt_state_tensors), param_shapes)
-    if not found:
-        return
-    listed = ", ".join(s.name for s in found[:4]) + (f" and {len(found) - 4} more"
-                                                     if len(found) > 4 else "")
-    kinds = "; ".join(sorted({f"{s.field}: {s.kind}" for s in found}))
-    m = dgcs[0].momentum
-    raise PlanningError(
-        f"{dgcs[0].describe().split(':')[0]} applies momentum {m:g} itself (momentum "
-        f"correction: the exchange returns the summed velocities, so the optimizer must be "
-        f"plain SGD), and the step's optimizer keeps momentum too: {listed} ({kinds}). The "
-        f"momentum would be applied twice. Use optax.sgd(learning_rate) without momentum "
-        f"(DGC then supplies momentum {m:g}), or DGC(..., momentum=0.0) to keep your "
-        f"optimizer's momentum")

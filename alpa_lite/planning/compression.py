@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Mapping
+from typing import Any, Iterable, Mapping
 
 
 from alpa_lite import compression as C
+from alpa_lite.compression.momentum import dgc_with_momentum, momentum_states
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.cost_models.gradient_sync import (
     GradientLeaf,
@@ -219,3 +220,36 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
         TimeLine(TimeKind.COMPRESSION, step - compute, _label(option))))
     return dataclasses.replace(dp_plan, method=method, stages=(stage,),
                                compression=spec, gradient_sync=records, step_time=breakdown)
+
+
+def refuse_double_momentum(compression, opt_state_tensors: Iterable[Any],
+                           param_shapes: Iterable[tuple[int, ...]],
+                           names: Mapping[int, str] | None = None) -> None:
+    """Raises PlanningError when DGC with momentum meets an optimizer with momentum.
+
+    Args:
+      compression: what the step was asked to exchange gradients with.
+      opt_state_tensors: the step's optimizer-state tensors (`Graph.tensors_with_role(
+        Role.OPT_STATE)`: objects with `id`, `name` and `shape`).
+      param_shapes: the shapes of the step's parameters.
+      names: the step's own names by tensor id (`tensor_names`), where they differ.
+    """
+    dgcs = dgc_with_momentum(compression)
+    if not dgcs:
+        return
+    names = names or {}
+    found = momentum_states(((names.get(t.id, t.name), tuple(t.shape))
+                             for t in opt_state_tensors), param_shapes)
+    if not found:
+        return
+    listed = ", ".join(s.name for s in found[:4]) + (f" and {len(found) - 4} more"
+                                                     if len(found) > 4 else "")
+    kinds = "; ".join(sorted({f"{s.field}: {s.kind}" for s in found}))
+    m = dgcs[0].momentum
+    raise PlanningError(
+        f"{dgcs[0].describe().split(':')[0]} applies momentum {m:g} itself (momentum "
+        f"correction: the exchange returns the summed velocities, so the optimizer must be "
+        f"plain SGD), and the step's optimizer keeps momentum too: {listed} ({kinds}). The "
+        f"momentum would be applied twice. Use optax.sgd(learning_rate) without momentum "
+        f"(DGC then supplies momentum {m:g}), or DGC(..., momentum=0.0) to keep your "
+        f"optimizer's momentum")
