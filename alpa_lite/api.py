@@ -32,7 +32,7 @@ from alpa_lite.planning.auto_search import SearchSpace, search_auto
 from alpa_lite.planning.cache import cache_key, load_plan, save_plan
 from alpa_lite.planning.compression import make_compressed_plan, refuse_double_momentum
 from alpa_lite.planning.hybrid_search import best_hybrid, hybrid_layouts
-from alpa_lite.planning.pipeline import make_pipeline_plan
+from alpa_lite.planning.pipeline import PlannerPool, make_pipeline_plan, manual_memory_floor
 from alpa_lite.planning.spmd import make_plan, replace_stats
 from alpa_lite.progress import TRACE, Progress, report
 from alpa_lite.runtime.compressed import CompressedExecutable
@@ -220,6 +220,8 @@ class ParallelizedStep:
                                           progress=progress)
             return make_plan(traced, self.method, cluster, tensor_names=names, progress=progress)
 
+        pool = PlannerPool()    # candidates of one micro-batch count share their work
+
         def pipeline_plan(method: Auto | Manual) -> Plan:
             """A pipeline of `method.num_micro_batches` micro-batches; a Manual layout is
             weighed by the search, which judges its memory (no warning)."""
@@ -230,7 +232,12 @@ class ParallelizedStep:
                     warnings.simplefilter("ignore")
                 return make_pipeline_plan(parts, method, cluster, outer.fingerprint,
                                           outer.input_avals, outer_names_of(outer),
-                                          progress=progress)
+                                          progress=progress, pool=pool)
+
+        def textbook_floor(layout: Manual) -> float:
+            parts = self.parts(*args, num_micro_batches=layout.num_micro_batches)
+            return manual_memory_floor(parts, layout, cluster, outer_names_of(parts.outer),
+                                       pool)
 
         space = SearchSpace(
             plan_single=lambda: make_plan(traced, self.method, cluster, tensor_names=names,
@@ -238,6 +245,7 @@ class ParallelizedStep:
             plan_pipelined=lambda m: pipeline_plan(
                 dataclasses.replace(self.method, num_micro_batches=m)),
             plan_textbook=pipeline_plan,
+            textbook_floor=textbook_floor,
             num_devices=cluster.num_devices, devices_per_node=cluster.devices_per_node,
             budget_bytes=self.method.memory_budget_bytes or cluster.device.memory_bytes)
         return search_auto(self.method, _batch_size(traced), space, progress)
@@ -249,6 +257,7 @@ class ParallelizedStep:
         compressed data parallelism (`planning.hybrid_search`); the fastest that fits,
         with the choice and its runner-up in `Plan.choices`."""
         budget = self.method.memory_budget_bytes or cluster.device.memory_bytes
+        pool = PlannerPool()
 
         def plan_layout(layout: Manual) -> Plan:
             parts = self.parts(*args, num_micro_batches=layout.num_micro_batches)
@@ -256,7 +265,7 @@ class ParallelizedStep:
                 warnings.simplefilter("ignore")
                 return make_pipeline_plan(parts, layout, cluster, parts.outer.fingerprint,
                                           parts.outer.input_avals, outer_names_of(parts.outer),
-                                          compression=self.compression)
+                                          compression=self.compression, pool=pool)
 
         batch = _batch_size(traced)
         layouts = [] if batch is None else hybrid_layouts(

@@ -10,7 +10,7 @@ import pytest
 
 import alpa_lite as al
 from alpa_lite.cost_models.devices import DEVICES
-from alpa_lite.cost_models.overlap import FormedGradient, bucketed_sync
+from alpa_lite.cost_models.overlap import FormedGradient, SyncOverlap, bucketed_sync
 from alpa_lite.ir.tracing import trace
 from alpa_lite.plan import Plan
 from alpa_lite.plan.timing import TimeKind
@@ -21,8 +21,11 @@ from alpa_lite.planning.fusion import fuse
 
 def test_bucketed_sync_hides_what_the_backward_covers():
     g = [FormedGradient(1.0, 20e6, 0.5), FormedGradient(3.0, 20e6, 0.5)]
-    # One 30 MB bucket, closed at 3 s by the second gradient: 3..4 s, backward ends at 4 s.
+    # Buckets of 30 MB: 20 + 20 MB does not fit one (XLA's combiner rule), so two:
+    # 1..1.5 and 3..3.5 s, before the backward ends at 4 s. Of 50 MB: one, 3..4 s.
     assert bucketed_sync(g, 4.0, 30e6).exposed_s == 0.0
+    assert bucketed_sync(g, 4.0, 30e6).buckets == 2
+    assert bucketed_sync(g, 4.0, 50e6) == SyncOverlap(total_s=1.0, exposed_s=0.0, buckets=1)
     # Buckets of 10 MB: 1..1.5 and 3..3.5; the backward ends at 3.2: 0.3 s exposed.
     s = bucketed_sync(g, 3.2, 10e6)
     assert (s.buckets, s.total_s) == (2, 1.0)

@@ -432,10 +432,21 @@ def range_io(forward: OpGraph, start: int, stop: int) -> tuple[list[int], list[i
     return ins, outs
 
 
+_HASHES: "weakref.WeakKeyDictionary[OpGraph, dict[tuple[int, int], str]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def structure_hash(forward: TracedStep, start: int, stop: int) -> str:
     """Equal for two node ranges that compute the same way on same-shaped inputs (e.g. two
     transformer blocks): primitives, parameters, literals, shapes and the wiring, with tensor
-    ids renumbered locally."""
+    ids renumbered locally. Remembered per forward graph and range."""
+    known = _HASHES.setdefault(forward.graph, {})
+    if (start, stop) not in known:
+        known[(start, stop)] = _structure_hash(forward, start, stop)
+    return known[(start, stop)]
+
+
+def _structure_hash(forward: TracedStep, start: int, stop: int) -> str:
     g = forward.graph
     h = hashlib.sha256()
     local: dict[int, int] = {}
@@ -465,12 +476,17 @@ def structure_hash(forward: TracedStep, start: int, stop: int) -> str:
     return h.hexdigest()[:20]
 
 
-def stage_program(forward: TracedStep, start: int, stop: int,
-                  like: StageProgram | None = None) -> StageProgram:
+_PROGRAMS: "weakref.WeakKeyDictionary[OpGraph, dict[str, StageProgram]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def stage_program(forward: TracedStep, start: int, stop: int) -> StageProgram:
     """The forward and backward programs of forward nodes [start, stop) (see StageProgram).
 
-    `like`: a program of a range with the same `structure_hash`; its traced graph is reused
-    (repeated layers are traced once) when the same inputs and outputs carry gradients."""
+    Ranges of one forward graph with the same `structure_hash`, whose same inputs and
+    outputs carry gradients, share one traced program (repeated layers, and stages of as
+    many repeated layers, are traced once, whoever asks: the planner's layer search, its
+    textbook layouts, the gradient-sync check of each candidate, the runtime)."""
     g = forward.graph
     ins, outs = range_io(g, start, stop)
     dep = _param_dependent(g)
@@ -478,8 +494,11 @@ def stage_program(forward: TracedStep, start: int, stop: int,
     acts = [t for t in ins if g.tensors[t].role is not Role.PARAM]
     diff_acts = [t in dep and _is_float(g.tensors[t].dtype) for t in acts]
     diff_outs = [t in dep and _is_float(g.tensors[t].dtype) for t in outs]
-    if like is not None and like.diff_acts == tuple(diff_acts) \
-            and like.diff_outputs == tuple(diff_outs):
+    structure = structure_hash(forward, start, stop) + "/" + \
+        "".join("1" if d else "0" for d in diff_acts + diff_outs)
+    known = _PROGRAMS.setdefault(g, {})
+    like = known.get(structure)
+    if like is not None:
         return dataclasses.replace(like, start=start, stop=stop, params=tuple(params),
                                    acts=tuple(acts), outputs=tuple(outs))
     node_ids = list(range(start, stop))
@@ -513,12 +532,12 @@ def stage_program(forward: TracedStep, start: int, stop: int,
     fb_traced = trace_flat(fb, [jax.ShapeDtypeStruct(t.shape, as_dtype(t.dtype)) for t in avals],
                            roles, names)
     fwd, bwd, remat, residuals = _split_fb(fb_traced.graph, P + A, len(outs))
-    return StageProgram(start=start, stop=stop, fb=fb_traced, params=tuple(params),
-                        acts=tuple(acts), diff_acts=tuple(diff_acts), outputs=tuple(outs),
-                        diff_outputs=tuple(diff_outs), fwd_nodes=fwd, bwd_nodes=bwd,
-                        remat_nodes=remat, residuals=residuals,
-                        structure=structure_hash(forward, start, stop) + "/" +
-                        "".join("1" if d else "0" for d in diff_acts + diff_outs))
+    known[structure] = StageProgram(
+        start=start, stop=stop, fb=fb_traced, params=tuple(params), acts=tuple(acts),
+        diff_acts=tuple(diff_acts), outputs=tuple(outs), diff_outputs=tuple(diff_outs),
+        fwd_nodes=fwd, bwd_nodes=bwd, remat_nodes=remat, residuals=residuals,
+        structure=structure)
+    return known[structure]
 
 
 def param_homes(progs: Sequence[StageProgram]) -> dict[int, int]:

@@ -49,7 +49,7 @@ from alpa_lite.ir.graph import (
     dtype_name,
     is_key,
 )
-from alpa_lite.ir.markers import PARAM, boundary_p, capture_grad_calls, marker_p
+from alpa_lite.ir.markers import GRAD, PARAM, boundary_p, capture_grad_calls, marker_p
 from alpa_lite.ir.op_rules import CALL_BODIES, CUSTOM_DERIVATIVES
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,6 +71,11 @@ class TracedStep:
     notes: tuple[str, ...] = ()
     # The shape of each `random_bits` equation, in trace order (see `trace_flat`).
     draw_shapes: tuple[tuple[int, ...], ...] = ()
+    # Per `al.value_and_grad` call, in trace order: the tensor id of each gradient leaf in
+    # the order the gradient pytree flattens (None for a leaf that is a literal). Tensor ids
+    # follow creation, i.e. the backward's order, not the pytree's: an engine that handles
+    # gradient leaves itself (`runtime.compressed`) maps them to the plan's names by this.
+    grad_leaves: tuple[tuple[int | None, ...], ...] = ()
 
 
 class _Builder:
@@ -83,6 +88,7 @@ class _Builder:
         self.literals: dict[tuple[int, int], Any] = {}
         self.consts: dict[int, Any] = {}
         self.roles: dict[int, Role] = {}
+        self.grad_leaves: list[tuple[int | None, ...]] = []
         self.boundaries: list[int] = []
         self.notes: list[str] = []
         # Shapes of the `random_bits` equations met, in order; where `batch_draws` says so,
@@ -115,6 +121,9 @@ class _Builder:
             eqn_scope = "/".join(s for s in (scope, str(eqn.source_info.name_stack)) if s)
             if eqn.primitive is marker_p:
                 kind = eqn.params["kind"]
+                if kind == GRAD:
+                    self.grad_leaves.append(tuple(None if isinstance(v, jex.Literal) else v
+                                                  for v in in_atoms))
                 for v_in, v_out in zip(in_atoms, eqn.outvars):
                     env[v_out] = v_in
                     if not isinstance(v_in, jex.Literal):
@@ -441,7 +450,8 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
                       literals=MappingProxyType(b.literals), consts=MappingProxyType(b.consts),
                       in_tree=in_tree, out_tree=out_tree, input_avals=input_avals,
                       fingerprint=_fingerprint(graph), boundaries=tuple(b.boundaries),
-                      grad_calls=tuple(calls), notes=tuple(b.notes))
+                      grad_calls=tuple(calls), notes=tuple(b.notes),
+                      grad_leaves=tuple(b.grad_leaves))
 
 
 def _bad_key_data(error: Exception, names: Sequence[str], avals: Sequence[Any]) -> TypeError:

@@ -23,7 +23,9 @@ from alpa_lite.plan.plan import (
                                  StagePlan,
                                  SyncCollective,
 )
+from alpa_lite.plan.timing import BucketIssue, SyncBucket, SyncBuckets
 
-__all__ = ["PLAN_FORMAT", "Accumulation", "Alternative", "Choice", "CollectiveSummary",
-           "CompressionSpec", "Explanation", "GradientSync", "InputPlacement", "PipelineSpec", "Plan",
-           "PlanningStats", "StageExchange", "StagePlan", "SyncCollective"]
+__all__ = ["PLAN_FORMAT", "Accumulation", "Alternative", "BucketIssue", "Choice",
+           "CollectiveSummary", "CompressionSpec", "Explanation", "GradientSync",
+           "InputPlacement", "PipelineSpec", "Plan", "PlanningStats", "StageExchange",
+           "StagePlan", "SyncBucket", "SyncBuckets", "SyncCollective"]

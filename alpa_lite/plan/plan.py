@@ -20,7 +20,7 @@ from alpa_lite.errors import PlanMismatchError
 from alpa_lite.plan.memory import MemoryEstimate
 from alpa_lite.plan.methods import Method, method_from_json, method_to_json
 from alpa_lite.plan.sharding import TensorSpec
-from alpa_lite.plan.timing import StepTime, step_time_from_obj, step_time_to_obj
+from alpa_lite.plan.timing import StepTime, SyncBuckets, step_time_from_obj, step_time_to_obj
 
 PLAN_FORMAT = "alpa_lite.plan/4"
 
@@ -384,6 +384,18 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def sync_buckets(self) -> tuple[SyncBuckets, ...]:
+        """How each stage's gradient reductions are bucketed and ordered, as the runtime
+        issues them (kept with the estimate they were chosen for, `StepTime.sync_buckets`);
+        () where none are (pipelined stages reduce once per step in a program of their
+        own, combined by XLA; compressed exchanges but the full-precision one)."""
+        return self.step_time.sync_buckets if self.step_time is not None else ()
+
+    def sync_buckets_of(self, stage: int) -> SyncBuckets | None:
+        """Stage `stage`'s buckets, or None."""
+        return next((b for b in self.sync_buckets if b.stage == stage), None)
 
     @property
     def schedule(self) -> str:

@@ -89,6 +89,9 @@ def plan_summary(plan, max_rows: int = 40) -> str:
         console.print(f"traced: {escape(note)}")
     if plan.gradient_sync:
         console.print(gradient_sync_table(plan))
+        for buckets in plan.sync_buckets:
+            console.print(escape(sync_buckets_line(buckets)))
+            console.print(sync_buckets_table(buckets))
         for i, st in enumerate(plan.stages):
             if st.accumulate_note:
                 console.print(f"stage {i} reduces its gradients in every backward: "
@@ -151,6 +154,53 @@ def gradient_sync_table(plan) -> Table:
     for (stage, acc, axes, kind, comp, count), (n, nbytes, t) in sorted(rows.items()):
         table.add_row(str(stage), str(n), acc, axes, kind, escape(comp), fmt_bytes(nbytes),
                       f"{count}x", fmt_time(t) if t else "-")
+    return table
+
+
+_ISSUED_BY = {"xla-combiner": "XLA's combiner cuts them at this size on GPUs (latency-hiding "
+                               "scheduler on); XLA:CPU combines all into one",
+              "runtime": "alpa_lite issues one all-reduce per bucket, in this order (a "
+                         "compressed plan's estimate prices the exchange after the "
+                         "backward)"}
+
+
+def sync_buckets_line(buckets) -> str:
+    """One line on a stage's gradient buckets (`plan.timing.SyncBuckets`): the chosen size
+    against the runner-up, what is left exposed, and who cuts the buckets when it runs."""
+    b = buckets
+    runner = (f"; runner-up {fmt_bytes(b.runner_up_bytes)}: {b.runner_up_buckets} bucket(s), "
+              f"{fmt_time(b.runner_up_exposed_s)} exposed" if b.runner_up_bytes else "")
+    return (f"gradient buckets, stage {b.stage}: {b.num_buckets} of at most "
+            f"{fmt_bytes(b.bucket_bytes)} (a larger gradient alone), issued in the order the "
+            f"backward forms them; {fmt_time(b.exposed_s)} of {fmt_time(b.total_s)} exposed "
+            f"after the backward ends at {fmt_time(b.backward_end_s)}{runner}; "
+            f"{_ISSUED_BY[b.issue.value]}")
+
+
+def sync_buckets_table(buckets) -> Table:
+    """A stage's gradient buckets in the order they are issued: the gradients in each, its
+    bytes, when its last gradient is formed and when its reduction ends (estimates, from
+    the step's start)."""
+    table = Table(title="gradient buckets", show_edge=False)
+    for col in ("bucket", "gradients", "bytes/device", "ready", "reduced by"):
+        table.add_column(col)
+    for i, k in enumerate(buckets.buckets):
+        names = ", ".join(k.grads[:4]) + (f" +{len(k.grads) - 4} more" if len(k.grads) > 4
+                                          else "")
+        table.add_row(str(i), escape(names or "-"), fmt_bytes(k.nbytes), fmt_time(k.ready_s),
+                      fmt_time(k.end_s))
+    return table
+
+
+def bucket_sizes_table(buckets) -> Table:
+    """Every bucket size the planner weighed for a stage (`SyncBuckets.weighed`): the
+    buckets it cuts and the reduction it leaves exposed after the backward."""
+    table = Table(title=f"bucket sizes weighed, stage {buckets.stage}", show_edge=False)
+    for col in ("size", "buckets", "exposed", ""):
+        table.add_column(col)
+    for nbytes, exposed, count in buckets.weighed:
+        table.add_row(fmt_bytes(nbytes), str(count), fmt_time(exposed),
+                      "chosen" if nbytes == buckets.bucket_bytes else "")
     return table
 
 

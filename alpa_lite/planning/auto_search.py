@@ -61,6 +61,9 @@ class SearchSpace:
     plan_single: Callable[[], Plan]
     plan_pipelined: Callable[[int], Plan]          # the stage DP's pipeline of m micro-batches
     plan_textbook: Callable[[Manual], Plan]        # a Megatron-style layout, as given
+    # The least peak memory per device any plan of a Megatron-style layout can have
+    # (cheap: no ILP), so that layouts that cannot fit are not planned.
+    textbook_floor: Callable[[Manual], float]
     num_devices: int
     devices_per_node: int
     budget_bytes: float
@@ -148,7 +151,8 @@ def _textbook(dp_plan: Plan, batch: int, space: SearchSpace, schedule: str,
     does not: the optimizer update, which each stage runs on its share of the parameters,
     and the once-per-step gradient reductions, which both shrink as stages are added. As
     single-stage `Auto` weighs the textbook meshes for the same reason. Each with remat
-    only where it does not fit without."""
+    only where it does not fit without; a layout whose memory floor (`textbook_floor`, the
+    least peak any of its plans can have) is over budget is listed, not planned."""
     m = dp_plan.pipeline.num_micro_batches
     out = []
     for dp, tp, pp in megatron_grid(space.num_devices, space.devices_per_node):
@@ -157,9 +161,17 @@ def _textbook(dp_plan: Plan, batch: int, space: SearchSpace, schedule: str,
         for remat in (False, True):
             label = f"Megatron dp={dp} tp={tp} pp={pp}, {m} micro-batches" + \
                 (", remat" if remat else "")
+            layout = Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=m, schedule=schedule,
+                            remat=remat)
             try:
-                plan = space.plan_textbook(Manual(dp=dp, tp=tp, pp=pp, num_micro_batches=m,
-                                                  schedule=schedule, remat=remat))
+                floor = space.textbook_floor(layout)
+                if floor > space.budget_bytes:
+                    out.append(Candidate(label, True, None,
+                                         f"needs at least {floor / 2**30:.2f} GiB per device "
+                                         "whatever its shardings (not planned)", True, floor))
+                    tick()
+                    continue
+                plan = space.plan_textbook(layout)
             except (PlanningError, ValueError) as e:
                 out.append(Candidate(label, True, None, str(e),
                                      isinstance(e, MemoryBudgetError),
@@ -193,14 +205,18 @@ def _walk(counts: tuple[int, ...], pipeline: Callable[[int], float],
         i = 0
     if math.isinf(pipeline(counts[i])):
         lo, hi = i + 1, n - 1
-        if lo > hi or math.isinf(pipeline(counts[hi])):
+        if lo > hi:
             return ""
-        while lo < hi:     # the smallest count that fits: memory falls as m grows
+        # The smallest count that fits (memory falls as m grows), supposing the largest
+        # does; it is planned last, and only if every smaller one was over.
+        while lo < hi:
             mid = (lo + hi) // 2
             if math.isinf(pipeline(counts[mid])):
                 lo = mid + 1
             else:
                 hi = mid
+        if math.isinf(pipeline(counts[lo])):
+            return ""
         i = lo
     while True:            # to the faster neighbour, while there is one
         here = pipeline(counts[i])

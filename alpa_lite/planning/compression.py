@@ -15,6 +15,14 @@ method between nodes). It keeps:
 
 The result is a `Plan` whose `compression` says what runs and what it saves.
 
+A full-precision exchange on one level (`Dense()`, one node or one device per node) is
+issued by the runtime in buckets, in the order the backward forms the gradients: the
+data-parallel plan's buckets (`Plan.sync_buckets`, chosen by its cost model for the same
+all-reduces over every device), re-issued by the runtime (`BucketIssue.RUNTIME`). The
+estimate still prices that exchange after the backward, as every compressed exchange
+(conservative where collectives overlap compute: on GPUs the buckets can run under the
+backward).
+
 Local SGD exchanges the parameters (float32) once every H steps and no gradient: its
 `sync_s`, `wire_bytes` and step time are per step, the exchange amortized over H steps
 after the synchronous warm-up, and its `description` says so with the time of one average.
@@ -43,9 +51,12 @@ from alpa_lite.ir.graph import Role
 from alpa_lite.ir.tracing import TracedStep
 from alpa_lite.plan import (
     Accumulation,
+    BucketIssue,
     CompressionSpec,
     GradientSync,
     Plan,
+    SyncBucket,
+    SyncBuckets,
     SyncCollective,
 )
 from alpa_lite.plan.methods import Auto, DataParallel, Manual
@@ -215,11 +226,43 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
         nbytes=int(t.nbytes), count=1, time_s=spec.sync_s * t.nbytes / total) for t in grads)
     # The exchange runs after the step's backward (runtime.compressed), or overlaps the
     # next step when delayed: `step` already says how much of it the step waits for.
+    buckets = ()
+    if option == C.Dense() and not hierarchical:
+        dp_buckets = dp_plan.sync_buckets_of(0)
+        if dp_buckets is not None:
+            buckets = (runtime_buckets(dp_buckets, traced),)
     breakdown = StepTime(lines=(
         TimeLine(TimeKind.COMPUTE, compute, "the step per worker on its share of the batch"),
-        TimeLine(TimeKind.COMPRESSION, step - compute, _label(option))))
+        TimeLine(TimeKind.COMPRESSION, step - compute, _label(option))),
+        sync_buckets=buckets)
     return dataclasses.replace(dp_plan, method=method, stages=(stage,),
                                compression=spec, gradient_sync=records, step_time=breakdown)
+
+
+def runtime_buckets(dp_buckets: SyncBuckets, traced: TracedStep) -> SyncBuckets:
+    """The data-parallel plan's buckets for the runtime to issue itself, covering every
+    gradient leaf of the step's `al.value_and_grad` (a literal leaf needs no collective).
+    A gradient the data-parallel plan reduces with no collective (its partial sums never
+    formed, e.g. a parameter used only on data every device holds whole) has no formation
+    time: such gradients go last, in one more bucket, timed at the backward's end (the
+    data-parallel plan prices no reduction for them)."""
+    graph = traced.graph
+    leaves = [t for call in traced.grad_leaves for t in call if t is not None]
+    named = {n for b in dp_buckets.buckets for n in b.grads}
+    rest, seen = [], set()
+    for t in leaves:
+        name = graph.tensors[t].name
+        if name not in named and name not in seen:
+            rest.append(name)
+            seen.add(name)
+    buckets = dp_buckets.buckets
+    if rest:
+        nbytes = sum(int(graph.tensors[t].nbytes) for t in set(leaves)
+                     if graph.tensors[t].name in seen)
+        buckets += (SyncBucket(tuple(rest), nbytes, dp_buckets.backward_end_s,
+                               max(dp_buckets.backward_end_s, buckets[-1].end_s if buckets
+                                   else 0.0)),)
+    return dataclasses.replace(dp_buckets, buckets=buckets, issue=BucketIssue.RUNTIME)
 
 
 def refuse_double_momentum(compression, opt_state_tensors: Iterable[Any],

@@ -16,6 +16,12 @@ handed between stages). Where it fails, the stage keeps reducing in each backwar
 why (`StagePlan.accumulate_note`); either way the Plan records what runs (`GradientSync`)
 and the estimate charges it: collectives over the accumulation axes leave the
 per-micro-batch backward, one reduction of the stage's gradients joins the step.
+
+`backward_timeline` plays a program's gradient reductions out beside its backward, in
+buckets (`cost_models.overlap`). A single-stage plan chooses its bucket size there and
+records it (`sync_buckets`, kept in the plan's `StepTime`); a pipelined stage whose
+backward reduces per micro-batch is priced at XLA's default combine threshold, which is
+what its programs run (the pipeline planner records no bucket size for them).
 """
 
 from __future__ import annotations
@@ -25,7 +31,15 @@ import math
 from collections.abc import Mapping, Sequence
 
 from alpa_lite.cost_models.cluster import Cluster, CollectiveKind
-from alpa_lite.cost_models.overlap import FormedGradient, SyncOverlap, bucketed_sync
+from alpa_lite.cost_models.overlap import (
+    XLA_COMBINE_THRESHOLD_BYTES,
+    BucketChoice,
+    BucketSchedule,
+    FormedGradient,
+    SyncOverlap,
+    bucket_schedule,
+    choose_bucket_bytes,
+)
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.batch import batch_dims
 from alpa_lite.ir.graph import OpGraph, Role
@@ -35,7 +49,15 @@ from alpa_lite.ir.step_parts import (
     local_forward,
     stage_program,
 )
-from alpa_lite.plan import Accumulation, GradientSync, StagePlan, SyncCollective
+from alpa_lite.plan import (
+    Accumulation,
+    BucketIssue,
+    GradientSync,
+    StagePlan,
+    SyncBucket,
+    SyncBuckets,
+    SyncCollective,
+)
 from alpa_lite.plan.sharding import CollectiveOp, CommModel, LogicalMesh, TensorSpec
 from alpa_lite.planning.intra_op import StageResult, collective_summaries
 from alpa_lite.planning.stage_exchange import ExchangeRequest, GradShard, choose_exchange
@@ -322,29 +344,52 @@ class BackwardTimeline:
       intra_op_s: collectives on the critical path: all but the gradient reductions.
       update_s: compute after the last gradient is formed (the optimizer update, if the
         program holds one).
-      sync: the gradient reductions beside the backward (`cost_models.overlap`).
+      sync: the gradient reductions beside the backward (`cost_models.overlap`), at the
+        bucket size of `schedule`.
       reductions: how many gradient reductions run.
+      backward_end_s: when the operator forming the last gradient ends.
+      schedule: the buckets played out (None where nothing is reduced).
+      choice: where the bucket size was chosen (`bucket_bytes=None`), what was weighed.
+      reduced: per gradient reduction, in the order given to the cost model, the gradient
+        tensors it reduces.
     """
     compute_s: float
     intra_op_s: float
     update_s: float
     sync: SyncOverlap
     reductions: int
+    backward_end_s: float = 0.0
+    schedule: BucketSchedule | None = None
+    choice: BucketChoice | None = None
+    reduced: tuple[tuple[int, ...], ...] = ()
 
 
 def backward_timeline(graph: OpGraph, result: StageResult, grad_tids: Sequence[int],
-                      comm: CommModel, overlaps: bool) -> BackwardTimeline:
+                      comm: CommModel, overlaps: bool,
+                      bucket_bytes: float | None = XLA_COMBINE_THRESHOLD_BYTES
+                      ) -> BackwardTimeline:
     """Plays `graph` under `result`'s plan: each operator's compute, then its collectives
     (gradient reductions, `grad_reduction_ops`, aside). A gradient is formed when the
     operator that reduces it has computed; its reductions are combined into buckets (one
     latency each, priced by `comm`, the stage mesh's model) and overlap the rest of the
-    backward where the platform `overlaps` collectives with compute."""
+    backward where the platform `overlaps` collectives with compute.
+
+    Args:
+      bucket_bytes: the bucket size; None: the size that leaves the least exposed
+        (`cost_models.overlap.choose_bucket_bytes`). The default is XLA's own combine
+        threshold, what runs where the plan records no size.
+    """
     by_node = dict(result.node_collectives)
     grad_ops: dict[int, list] = {}            # node -> its gradient reductions
+    # (node, id(op)) -> the gradients it reduces (repeated layers share op objects, so an
+    # op is told apart by its node too).
+    op_grads: dict[tuple[int, int], list[int]] = {}
     for tid in grad_tids:
         for node, op in grad_reduction_ops(graph, by_node, tid):
             if all(op is not o for o in grad_ops.get(node, ())):
                 grad_ops.setdefault(node, []).append(op)
+            if tid not in op_grads.setdefault((node, id(op)), []):
+                op_grads[(node, id(op))].append(tid)
     clock, ends, intra_op = 0.0, [], 0.0
     for node in graph.nodes:
         clock += result.node_compute_s[node.id]
@@ -359,13 +404,61 @@ def backward_timeline(graph: OpGraph, result: StageResult, grad_tids: Sequence[i
     last_grad = max(producers, default=-1)
     backward_end = ends[last_grad] if last_grad >= 0 else 0.0
     update = sum(result.node_compute_s[i] for i in range(last_grad + 1, len(graph.nodes)))
+    ops = [(node, op) for node, node_ops in sorted(grad_ops.items()) for op in node_ops]
     formed = [FormedGradient(ends[node], op.nbytes, op.time_s,
                              min(op.time_s, comm.op(op.kind, 1, op.axes).time_s))
-              for node, ops in sorted(grad_ops.items()) for op in ops]
+              for node, op in ops]
+    choice = None
+    if not formed:
+        schedule = None
+        sync = SyncOverlap(total_s=0.0, exposed_s=0.0, buckets=0)
+    elif bucket_bytes is None:
+        choice = choose_bucket_bytes(formed, backward_end, overlaps)
+        schedule = choice.chosen
+        sync = schedule.sync
+    else:
+        schedule = bucket_schedule(formed, backward_end, bucket_bytes, overlaps)
+        sync = schedule.sync
     return BackwardTimeline(compute_s=float(sum(result.node_compute_s)), intra_op_s=intra_op,
-                            update_s=update,
-                            sync=bucketed_sync(formed, backward_end, overlaps=overlaps),
-                            reductions=len(formed))
+                            update_s=update, sync=sync, reductions=len(formed),
+                            backward_end_s=backward_end, schedule=schedule, choice=choice,
+                            reduced=tuple(tuple(op_grads[(node, id(op))]) for node, op in ops))
+
+
+def sync_buckets(timeline: BackwardTimeline, names: Mapping[int, str], stage: int,
+                 issue: BucketIssue, overlaps: bool) -> SyncBuckets | None:
+    """The Plan's record of `timeline`'s buckets (None where nothing is reduced).
+
+    A gradient belongs to the bucket holding its last reduction (it is complete, and
+    reduced, only then; the partitioner reduces a gradient in one place but for rare
+    sums of partial sums); `names` gives the names `Plan.gradient_sync` uses."""
+    sched, choice = timeline.schedule, timeline.choice
+    if sched is None:
+        return None
+    bucket_of_op = {}
+    for b, run in enumerate(sched.runs):
+        for k in range(run.start, run.stop):
+            bucket_of_op[sched.order[k]] = b
+    home: dict[int, tuple[int, int]] = {}     # gradient -> (bucket, issue position)
+    for pos, i in enumerate(sched.order):
+        for tid in timeline.reduced[i]:
+            home[tid] = (bucket_of_op[i], pos)
+    members: list[list[int]] = [[] for _ in sched.runs]
+    for tid, (b, _) in sorted(home.items(), key=lambda kv: kv[1][1]):
+        members[b].append(tid)
+    buckets = tuple(SyncBucket(tuple(names[t] for t in members[b]), int(run.nbytes),
+                               float(run.ready_s), float(run.end_s))
+                    for b, run in enumerate(sched.runs))
+    runner = choice.runner_up if choice is not None else None
+    return SyncBuckets(
+        stage=stage, bucket_bytes=int(math.ceil(sched.bucket_bytes)), buckets=buckets,
+        exposed_s=float(sched.sync.exposed_s), total_s=float(sched.sync.total_s),
+        backward_end_s=float(timeline.backward_end_s), overlaps=overlaps, issue=issue,
+        runner_up_bytes=0 if runner is None else int(math.ceil(runner.bucket_bytes)),
+        runner_up_exposed_s=0.0 if runner is None else float(runner.sync.exposed_s),
+        runner_up_buckets=0 if runner is None else runner.sync.buckets,
+        weighed=() if choice is None else tuple((int(math.ceil(n)), float(e), int(k))
+                                                for n, e, k in choice.weighed))
 
 
 def single_stage_sync(graph: OpGraph, result: StageResult, mesh: LogicalMesh,

@@ -6,6 +6,8 @@ The user's `al.mark_layer_boundary` calls when there are any, else the layer clu
 
 from __future__ import annotations
 
+import weakref
+
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import OpGraph
 from alpa_lite.ir.step_parts import structure_hash
@@ -34,11 +36,25 @@ def clustering_problem(forward: OpGraph):
     return ClusteringProblem(flops=tuple(n.flops for n in forward.nodes), tensors=tuple(tensors))
 
 
+_LAYERS: "weakref.WeakKeyDictionary[OpGraph, dict[tuple, tuple[int, ...]]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def forward_layers(forward: TracedStep, num_layers: int | None = None,
                    min_layers: int = 1, eps: float = 0.1) -> tuple[int, ...]:
     """The first forward node of each layer: the user's `al.mark_layer_boundary` calls when
     there are any, else the layer clustering (`num_layers` layers, or chosen from
-    `min_layers` ... 64 when None)."""
+    `min_layers` ... 64 when None). Remembered per forward graph: a search plans many
+    candidates of one split of the step."""
+    known = _LAYERS.setdefault(forward.graph, {})
+    key = (num_layers, min_layers, eps)
+    if key not in known:
+        known[key] = _forward_layers(forward, num_layers, min_layers, eps)
+    return known[key]
+
+
+def _forward_layers(forward: TracedStep, num_layers: int | None, min_layers: int,
+                    eps: float) -> tuple[int, ...]:
     n = len(forward.graph.nodes)
     if forward.boundaries:
         starts = (0,) + tuple(b for b in forward.boundaries if 0 < b < n)

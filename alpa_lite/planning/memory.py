@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from alpa_lite.errors import MemoryBudgetError, PlanningError
+from alpa_lite.errors import MemoryBudgetError
 from alpa_lite.ir.graph import OpGraph, Role
 from alpa_lite.plan import StagePlan
 from alpa_lite.plan.memory import MemoryEstimate, format_bytes
@@ -75,27 +75,18 @@ def stage_memory(graph: OpGraph, mesh: LogicalMesh, input_specs, output_specs,
     """
     spec: dict[int, TensorSpec] = dict(tensor_specs)
     spec.update(zip(graph.inputs, input_specs))
-    cat = {t.id: _category(t.role) for t in graph.tensors}
-    for out_pos, tie in enumerate(graph.output_ties):
-        if tie is not None:
-            cat[graph.outputs[out_pos]] = cat[graph.inputs[tie]]
+    cat = _categories(graph)
     cat.update(categories or {})
 
-    end = len(graph.nodes)
     inputs = set(graph.inputs)
     size = {}
     for t in graph.tensors:
         size[t.id] = local_bytes(graph, t.id, spec.get(t.id), mesh)
     # Step results: their buffer has the output spec, held from the producer to the end
     # (a tied one is free when donated; an argument passed straight through costs nothing).
-    last_use: dict[int, int] = {}
-    for node in graph.nodes:
-        for t in node.inputs:
-            if t is not None:
-                last_use[t] = node.id
+    last_use = _last_uses(graph)
     result_size: dict[int, float] = {}
     for out_pos, tid in enumerate(graph.outputs):
-        last_use[tid] = end
         if tid in inputs or graph.producer(tid) is None:
             continue
         donated = donate_tied and graph.output_ties[out_pos] is not None
@@ -109,6 +100,49 @@ def stage_memory(graph: OpGraph, mesh: LogicalMesh, input_specs, output_specs,
         if tid is not None:
             transient[n] = transient.get(n, 0.0) + local_bytes(graph, tid, s, mesh)
 
+    return _peak(graph, size, cat, transient, last_use)
+
+
+def memory_floor(graph: OpGraph, num_devices: int,
+                 max_shards: Mapping[int, int] | None = None) -> MemoryEstimate:
+    """The least whole-stage estimate (`stage_memory`) any sharding of `graph` over
+    `num_devices` devices can reach: the same walk with every tensor split that many ways,
+    or as many as `max_shards` allows it (a device never holds less of a tensor), results
+    tied to arguments in buffers of their own as `stage_memory` counts them by default.
+    Cheap, so a plan whose floor is over budget is refused before any ILP is built."""
+    limit = max_shards or {}
+    size = {t.id: t.size * itemsize(t.dtype) / limit.get(t.id, num_devices)
+            for t in graph.tensors}
+    return _peak(graph, size, _categories(graph), {}, _last_uses(graph))
+
+
+def _categories(graph: OpGraph) -> dict[int, str]:
+    """Each tensor's memory category by its role; a result tied to an argument (a new
+    parameter) takes the argument's."""
+    cat = {t.id: _category(t.role) for t in graph.tensors}
+    for out_pos, tie in enumerate(graph.output_ties):
+        if tie is not None:
+            cat[graph.outputs[out_pos]] = cat[graph.inputs[tie]]
+    return cat
+
+
+def _last_uses(graph: OpGraph) -> dict[int, int]:
+    """The last node reading each tensor; a step result is held to the end."""
+    last_use: dict[int, int] = {}
+    for node in graph.nodes:
+        for t in node.inputs:
+            if t is not None:
+                last_use[t] = node.id
+    for tid in graph.outputs:
+        last_use[tid] = len(graph.nodes)
+    return last_use
+
+
+def _peak(graph: OpGraph, size: Mapping[int, float], cat: Mapping[int, str],
+          transient: Mapping[int, float], last_use: Mapping[int, int]) -> MemoryEstimate:
+    """`stage_memory`'s walk: arguments held throughout, a value from its producer to its
+    last reader, plus each node's transient buffers; the peak, split by category."""
+    inputs = set(graph.inputs)
     held = {c: 0.0 for c in (_PARAMS, _GRADS, _OPT, _ACTS)}
     # Arguments are held for the whole step (captured constants live in the executable).
     for tid in inputs:

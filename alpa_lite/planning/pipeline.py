@@ -51,7 +51,6 @@ from alpa_lite.ir.step_parts import (
     StageProgram,
     StepParts,
     stage_program,
-    structure_hash,
 )
 from alpa_lite.plan import (
     Alternative,
@@ -86,6 +85,7 @@ from alpa_lite.planning.intra_op import (
 from alpa_lite.planning.layers import forward_layers
 from alpa_lite.planning.memory import (
     held_micro_batches,
+    memory_floor,
     pipeline_stage_memory,
     solve_within_memory,
 )
@@ -124,6 +124,21 @@ class StageCost:
         return self.backward_s - self.grad_sync_s + self.reduce_once_s / m
 
 
+@dataclasses.dataclass(frozen=True)
+class PlannerWork:
+    """A `PipelinePlanner`'s counters (`PipelinePlanner.counters`); a difference of two is
+    the work done between them."""
+    ilps: int
+    build_s: float
+    solve_s: float
+    asked: int
+    cache_hits: int
+
+    def __sub__(self, other: "PlannerWork") -> "PlannerWork":
+        return PlannerWork(*(a - b for a, b in zip(dataclasses.astuple(self),
+                                                     dataclasses.astuple(other))))
+
+
 class PipelinePlanner:
     def __init__(self, parts: StepParts, cluster: Cluster, solver, time_limit_s: float,
                  names: Mapping[int, str], progress: Progress | None = None,
@@ -144,7 +159,6 @@ class PipelinePlanner:
         self.fwd_bdims = batch_dims(fwd)
         self.opt_ratio = _opt_state_ratio(parts)
         self.programs: dict[tuple[int, int], StageProgram] = {}
-        self.by_structure: dict[str, StageProgram] = {}
         self.costs: dict[tuple, StageCost] = {}
         self.ilps = 0           # intra-op problems solved
         self.build_s = 0.0
@@ -160,6 +174,13 @@ class PipelinePlanner:
         # that reuse and pruning lose nothing).
         self.exhaustive = exhaustive
 
+    def counters(self) -> "PlannerWork":
+        """The work done so far: intra-op problems solved, their build and solve time,
+        plans asked for, and those read from the disk cache."""
+        with self._lock:
+            return PlannerWork(self.ilps, self.build_s, self.solve_s, len(self.asked),
+                               self.cache_hits)
+
     def reuse_key(self, prog: StageProgram):
         """What intra-op plans are memoised by: the range's structure (identical layers
         are one problem), or with `exhaustive` the range itself."""
@@ -167,10 +188,7 @@ class PipelinePlanner:
 
     def program(self, start: int, stop: int) -> StageProgram:
         if (start, stop) not in self.programs:
-            h = structure_hash(self.parts.forward, start, stop)
-            prog = stage_program(self.parts.forward, start, stop, self.by_structure.get(h))
-            self.by_structure.setdefault(h, prog)
-            self.programs[(start, stop)] = prog
+            self.programs[(start, stop)] = stage_program(self.parts.forward, start, stop)
         return self.programs[(start, stop)]
 
     def seeds(self, prog: StageProgram) -> dict[int, int | None]:
@@ -467,9 +485,33 @@ def _logical_shapes(sub: SubmeshShape) -> list[tuple[int, int]]:
     return [(n // t, t) for t in range(1, M + 1) if M % t == 0]
 
 
+class PlannerPool:
+    """The `PipelinePlanner`s of one search, one per split of the step and planning
+    setting: the candidates a search weighs at one micro-batch count (the stage DP's
+    pipeline and the textbook layouts) share their stage programs, layer solutions and
+    mesh memos instead of making them again."""
+
+    def __init__(self):
+        self.planners: dict[tuple, PipelinePlanner] = {}
+
+    def planner(self, parts: StepParts, cluster: Cluster, solver, time_limit_s: float,
+                names: Mapping[int, str], progress: Progress | None, exhaustive: bool,
+                split_batch: bool) -> PipelinePlanner:
+        # (A planner keeps its parts alive, so their id is not reused while it is here.)
+        key = (id(parts), cluster.fingerprint(), solver, time_limit_s, exhaustive, split_batch)
+        found = self.planners.get(key)
+        if found is None:
+            found = PipelinePlanner(parts, cluster, solver, time_limit_s, names, progress,
+                                    exhaustive)
+            found.split_batch = split_batch
+            self.planners[key] = found
+        return found
+
+
 def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_fingerprint: str,
                        input_signature, tensor_names: Mapping[int, str] | None = None,
-                       progress: Progress | None = None, compression=None) -> Plan:
+                       progress: Progress | None = None, compression=None,
+                       pool: PlannerPool | None = None) -> Plan:
     """Plans a pipelined step (module docstring). `progress` hears of the layer clustering,
     each intra-op problem solved and the stage DP (`alpa_lite.progress`).
 
@@ -477,7 +519,10 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
     accumulated gradients over its data-parallel axes through the compressor
     `planning.stage_exchange` chooses for it (`StagePlan.exchange`); with AutoCompression
     a lossy exchange is kept only where it makes the whole step `min_speedup` times
-    faster than the full-precision all-reduce."""
+    faster than the full-precision all-reduce.
+
+    `pool`: the planners of a search, to reuse what earlier candidates of the same split
+    planned (the plan is the same; its statistics count only this plan's new work)."""
     exchange = None if compression is None else ExchangeRequest.of(compression)
     fwd = parts.forward
     n_nodes = len(fwd.graph.nodes)
@@ -487,30 +532,18 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
     schedule_open = isinstance(method, Auto) and method.schedule is None
     if schedule_open:   # searched as 1F1B, then weighed against GPipe on the chosen stages
         method = dataclasses.replace(method, schedule="1f1b")
-    solver = solver_for(method.solver)
-    planner = PipelinePlanner(parts, cluster, solver, method.time_limit_s, names, progress,
-                              exhaustive=isinstance(method, Auto) and method.exhaustive)
-    planner.split_batch = exchange is not None
+    planner = _planner(parts, method, cluster, names, progress, pool,
+                       split_batch=exchange is not None)
+    before = planner.counters()
     alternatives: list[Alternative] = []
     if isinstance(method, Manual):
-        pp = method.pp
         if method.num_devices != cluster.num_devices:
             raise ValueError(f"{method!r}: dp x tp x pp = {method.num_devices} but the cluster "
                              f"{cluster.name!r} has {cluster.num_devices} devices")
         report(progress, CLUSTER, 0, 1)
-        if method.layer_ranges is None or fwd.boundaries:
-            starts = forward_layers(fwd, min_layers=pp)
-        else:   # the ranges say how many layers to cluster into
-            starts = forward_layers(fwd, num_layers=method.layer_ranges[-1][1] + 1)
+        starts, ranges = _manual_layers(fwd, method)
         report(progress, CLUSTER, 1, 1)
         L = len(starts)
-        if pp > L:
-            raise PlanningError(f"pp={pp} stages but the loss function has only {L} layers; "
-                                f"use pp <= {L} or mark more layers with al.mark_layer_boundary")
-        ranges = method.layer_ranges or _even_split(L, pp)
-        if ranges[-1][1] != L - 1:
-            raise PlanningError(f"layer_ranges {ranges} end at layer {ranges[-1][1]} but the "
-                                f"loss function has {L} layers (0..{L - 1}); cover them all")
         per = method.dp * method.tp
         bounds = layer_node_ranges(starts, n_nodes)
         chosen = []
@@ -584,16 +617,17 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
                                   for r in parts.aux),
                         batch_draws=sum(parts.batch_draws))
     unsharded = tuple(sorted({p for c in costs for p in c.result.unsharded_primitives}))
+    work = planner.counters() - before
     stats = PlanningStats(
-        build_s=planner.build_s, solve_s=planner.solve_s,
+        build_s=work.build_s, solve_s=work.solve_s,
         nodes_before_merge=sum(c.result.nodes_before_merge for c in costs),
         nodes_after_merge=sum(c.result.nodes_after_merge for c in costs),
         ilp_nodes=sum(c.result.ilp_nodes for c in costs),
         ilp_variables=sum(c.result.ilp_variables for c in costs),
         ilp_constraints=sum(c.result.ilp_constraints for c in costs),
-        num_layers=L, layer_ilps=planner.ilps,
-        layer_ilps_reused=len(planner.asked) - planner.ilps - planner.cache_hits,
-        layer_cache_hits=planner.cache_hits,
+        num_layers=L, layer_ilps=work.ilps,
+        layer_ilps_reused=work.asked - work.ilps - work.cache_hits,
+        layer_cache_hits=work.cache_hits,
         dp_s=dp_stats.solve_time_s if dp_stats else 0.0,
         dp_t_max_tried=dp_stats.t_max_tried if dp_stats else 0,
         dp_cost_queries=dp_stats.cost_queries if dp_stats else 0)
@@ -606,6 +640,75 @@ def make_pipeline_plan(parts: StepParts, method, cluster: Cluster, traced_finger
                 gradient_sync=tuple(sync_records), step_time=breakdown,
                 notes=tuple(dict.fromkeys(parts.outer.notes + fwd.notes)),
                 choices=tuple(dataclasses.replace(c, time_s=step_s) for c in choices))
+
+
+def _planner(parts: StepParts, method, cluster: Cluster, names: Mapping[int, str],
+             progress: Progress | None, pool: PlannerPool | None,
+             split_batch: bool) -> PipelinePlanner:
+    """The planner `method` plans with: the pool's for this split and setting, or a new one."""
+    exhaustive = isinstance(method, Auto) and method.exhaustive
+    return (pool or PlannerPool()).planner(parts, cluster, solver_for(method.solver),
+                                           method.time_limit_s, names, progress, exhaustive,
+                                           split_batch)
+
+
+def _manual_layers(fwd, method: Manual) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """A Manual layout's layers (first forward node of each) and its stages' layer
+    ranges: `layer_ranges`, or the layers split evenly over pp."""
+    pp = method.pp
+    if method.layer_ranges is None or fwd.boundaries:
+        starts = forward_layers(fwd, min_layers=pp)
+    else:   # the ranges say how many layers to cluster into
+        starts = forward_layers(fwd, num_layers=method.layer_ranges[-1][1] + 1)
+    L = len(starts)
+    if pp > L:
+        raise PlanningError(f"pp={pp} stages but the loss function has only {L} layers; "
+                            f"use pp <= {L} or mark more layers with al.mark_layer_boundary")
+    ranges = method.layer_ranges or _even_split(L, pp)
+    if ranges[-1][1] != L - 1:
+        raise PlanningError(f"layer_ranges {ranges} end at layer {ranges[-1][1]} but the "
+                            f"loss function has {L} layers (0..{L - 1}); cover them all")
+    return starts, ranges
+
+
+def manual_memory_floor(parts: StepParts, method: Manual, cluster: Cluster,
+                        tensor_names: Mapping[int, str] | None = None,
+                        pool: PlannerPool | None = None) -> float:
+    """The least peak memory per device (whole-stage estimate) of the Manual layout's
+    fullest stage, whatever the ILP chooses inside it: parameters and their gradients split
+    at most tp ways (a Manual layout never splits a weight over dp), every other tensor at
+    most dp x tp ways (`planning.memory.memory_floor`), the stash held for the schedule's
+    micro-batches in flight. Costs the stages' programs (shared through `pool` with the
+    plan that may follow), no ILP: a search refuses a layout whose floor is over budget
+    without planning it.
+
+    It bounds `pipeline_stage_memory` from below term by term: that estimate is the
+    parameters, gradients and optimizer state, `held` stashes and the one-micro-batch walk
+    beyond the parameters and one stash, so at least the walk's total plus the gradients,
+    the optimizer state and held - 1 stashes."""
+    fwd = parts.forward
+    starts, ranges = _manual_layers(fwd, method)
+    bounds = layer_node_ranges(starts, len(fwd.graph.nodes))
+    planner = _planner(parts, method, cluster, forward_names(parts, tensor_names or {}), None,
+                       pool, split_batch=False)
+    per = method.dp * method.tp
+    worst = 0.0
+    for s, (a, b) in enumerate(ranges):
+        prog = planner.program(bounds[a][0], bounds[b][1])
+        fb = prog.fb.graph
+        weights = {t: method.tp for t in prog.fb_params + prog.fb_param_grads}
+
+        def size(t: int) -> float:
+            return fb.tensors[t].nbytes / weights.get(t, per)
+
+        walk = memory_floor(fb, per, weights).total
+        stash = sum(size(t) for t in prog.fb_acts) + \
+            (0.0 if method.remat else sum(size(t) for t in prog.residuals))
+        held = held_micro_batches(method.schedule, len(ranges), s, parts.num_micro_batches)
+        worst = max(worst, walk + sum(size(t) for t in prog.fb_param_grads)
+                    + planner.opt_ratio * sum(size(t) for t in prog.fb_params)
+                    + stash * (held - 1))
+    return worst
 
 
 def _schedule_choice(planner: PipelinePlanner, method, progs, costs, stages, timings,

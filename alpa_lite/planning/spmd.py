@@ -25,10 +25,11 @@ from alpa_lite.ir.op_rules import dim_labels
 from alpa_lite.ir.tracing import TracedStep
 from alpa_lite.plan import Alternative, Explanation, Plan, PlanningStats
 from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, SolverChoice
+from alpa_lite.plan.memory import format_bytes
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
 from alpa_lite.planning.gradient_sync import single_stage_sync
 from alpa_lite.planning.intra_op import StageOptions, StageResult, build_stage, plan_stage
-from alpa_lite.planning.memory import solve_within_memory
+from alpa_lite.planning.memory import memory_floor, solve_within_memory
 from alpa_lite.planning.step_time import single_stage_step_time
 from alpa_lite.progress import ILPS, Progress, report
 from alpa_lite.solvers.sharding_ilp import Solver
@@ -255,6 +256,14 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
         report(progress, ILPS, 1, 1)
     elif isinstance(method_m, Auto):
         budget = method_m.memory_budget_bytes or cluster.device.memory_bytes
+        floor = memory_floor(graph, n)
+        if floor.total > budget:
+            # No sharding can fit: say so before building any mesh's ILP.
+            raise MemoryBudgetError(
+                f"no logical mesh gives a plan that fits {format_bytes(budget)} per device: "
+                f"the smallest peak memory any plan reaches is at least {floor.describe()} "
+                f"(every tensor split over all {n} devices); pipeline it, use more devices "
+                "or a smaller batch", floor.total)
         shapes = method_m.mesh_shapes or auto_mesh_shapes(n)
         report(progress, ILPS, 0, len(shapes))
         for i, shape in enumerate(shapes):

@@ -10,6 +10,11 @@ latency-hiding scheduler), the reductions overlap the rest of the backward in bu
 what is left after the backward's end is on the critical path. XLA:CPU runs collectives
 in line (combined too): there every bucket is exposed.
 Operators after the last gradient is formed are the optimizer update.
+The bucket size is the plan's own, chosen to leave the least reduction exposed
+(`cost_models.overlap.choose_bucket_bytes`, Caramel's batching), with the reductions issued
+in the order the backward forms their gradients (TicTac's ordering); the decision is kept
+in the breakdown (`StepTime.sync_buckets`), and the runtime hands the size to XLA's
+combiner on GPUs (`runtime.xla_options`), so the estimate prices what runs.
 
 Pipelined plans. The schedule simulator gives the step of micro-batches; the critical
 stage (the busiest) is split into its compute and its intra-op collectives per micro-batch
@@ -34,10 +39,10 @@ from alpa_lite.cost_models.pipeline_schedule import (
     simulate,
 )
 from alpa_lite.ir.graph import OpGraph, Role
-from alpa_lite.plan import StagePlan
+from alpa_lite.plan import BucketIssue, StagePlan
 from alpa_lite.plan.sharding import CommModel, LogicalMesh
 from alpa_lite.plan.timing import StepTime, TimeKind, TimeLine
-from alpa_lite.planning.gradient_sync import backward_timeline
+from alpa_lite.planning.gradient_sync import backward_timeline, sync_buckets
 from alpa_lite.planning.intra_op import StageResult
 
 __all__ = ["pipeline_step_time", "single_stage_step_time"]
@@ -48,18 +53,27 @@ def single_stage_step_time(graph: OpGraph, result: StageResult, cluster: Cluster
     grads = [t.id for t in graph.tensors_with_role(Role.GRAD)]
     overlaps = cluster.overlaps_collectives()
     mesh = LogicalMesh(result.stage.mesh_shape, result.stage.axis_names)
-    tl = backward_timeline(graph, result, grads, CommModel(cluster, mesh), overlaps)
+    tl = backward_timeline(graph, result, grads, CommModel(cluster, mesh), overlaps,
+                           bucket_bytes=None)
     how = ("overlapped with the backward" if overlaps
            else "in line: this platform runs collectives synchronously")
+    buckets = sync_buckets(tl, {t.id: t.name for t in graph.tensors}, 0,
+                           BucketIssue.XLA_COMBINER, overlaps)
+    cap = f" (cap {_mib(buckets.bucket_bytes)})" if buckets is not None else ""
     lines = [TimeLine(TimeKind.COMPUTE, tl.compute_s - tl.update_s,
                       "forward and backward kernels"),
              TimeLine(TimeKind.INTRA_OP_COMM, tl.intra_op_s, "collectives inside the step"),
              TimeLine(TimeKind.GRADIENT_SYNC, tl.sync.exposed_s,
-                      f"{tl.reductions} reductions in {tl.sync.buckets} buckets, {how}"),
+                      f"{tl.reductions} reductions in {tl.sync.buckets} buckets{cap}, {how}"),
              TimeLine(TimeKind.OPTIMIZER_UPDATE, tl.update_s, "operators after the last gradient")]
     hidden = (TimeLine(TimeKind.GRADIENT_SYNC, tl.sync.hidden_s, "under the backward"),) \
         if tl.sync.hidden_s > 0 else ()
-    return StepTime(lines=tuple(lines), hidden=hidden)
+    return StepTime(lines=tuple(lines), hidden=hidden,
+                    sync_buckets=() if buckets is None else (buckets,))
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"
 
 
 def _stage_finish(sim: ScheduleResult, stage: int) -> float:

@@ -13,6 +13,17 @@ call (`al.value_and_grad`) goes through a `markers.GradientHook` that
 4. scales the sum like the loss (`loss_scale`: 1/n for a mean loss) and hands the step the
    global loss and gradient, so the optimizer update is the one the user wrote.
 
+A full-precision exchange on one level (`Dense()`, one node or one device per node) with
+buckets in the plan (`Plan.sync_buckets`, `BucketIssue.RUNTIME`) is issued bucket by
+bucket, in the plan's order: each bucket's gradients are flattened into one buffer (per
+dtype) and summed by one all-reduce, as DDP's buckets are. An all-reduce depends on its
+bucket's gradients and (through an `optimization_barrier`, which holds no compute back)
+on the previous bucket's all-reduce, so the collectives run as one stream in the planned
+order and XLA schedules each as soon as both exist, between the backward's remaining
+operators; XLA's own all-reduce combiner is turned off for the program
+(`runtime.xla_options`), or it would merge the buckets again (on CPU into one). A `psum`
+of several arrays would not do: JAX lowers it to one all-reduce per array.
+
 Synchronous methods leave every worker with the same parameters, returned replicated.
 Delayed averaging (Zhu et al. 2021) gives each worker its own parameters: the executable
 keeps them (stacked over workers, one per device) and returns worker 0's (with one
@@ -55,14 +66,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from alpa_lite import compression as C
-from alpa_lite.errors import NonFiniteGradientError
+from alpa_lite.errors import NonFiniteGradientError, PlanMismatchError
 from alpa_lite.ir.graph import Role
 from alpa_lite.ir.markers import GradientHook, gradient_hook
 from alpa_lite.ir.tracing import TracedStep
-from alpa_lite.plan import Plan
+from alpa_lite.plan import BucketIssue, Plan
 from alpa_lite.runtime.distributed import place
 from alpa_lite.runtime.hlo import CompiledCollective, compiled_collectives
 from alpa_lite.runtime.spmd import shardings_like
+from alpa_lite.runtime.xla_options import bucket_options
 
 WORKERS = ("node", "local")
 # Folded into the step's shared key for local SGD's parameter exchange, so its random
@@ -121,6 +133,12 @@ class _Exchange(GradientHook):
         worker_key = jax.random.fold_in(self.shared_key, o.num_nodes + worker)
         state = jax.tree.map(lambda x: x[0], self.state)
         exchanged, states = [], []
+        if o.bucket_leaves is not None:
+            sums = o.bucketed_sums(leaves)
+            loss = jax.lax.psum(value, WORKERS) * o.loss_scale
+            out = [(t * o.loss_scale).astype(g.dtype) for t, g in zip(sums, leaves)]
+            self.new_state = jax.tree.map(lambda x: x[None], state)   # Dense: no state
+            return loss, jax.tree.unflatten(treedef, out)
         for i, g in enumerate(leaves):
             keys = (jax.random.fold_in(self.shared_key, i), jax.random.fold_in(worker_key, i),
                     jax.random.fold_in(node_key, i))
@@ -178,6 +196,7 @@ class CompressedExecutable:
             self.delay, self.method = 0, method
         # Local SGD: how the parameters (deltas, when lossy) are averaged.
         self.averager = method.compressor if self.local_sgd is not None else None
+        self.buckets = plan.sync_buckets_of(0)
         self.keeps_anchor = self.averager is not None and self.averager.lossy
         n = len(plan.stages[0].devices)
         self.num_nodes = spec.num_workers if spec.axis == "node" else 1
@@ -187,6 +206,11 @@ class CompressedExecutable:
                          WORKERS)
         self.num_workers = self.num_nodes * self.local
         self.worker_sharding = NamedSharding(self.mesh, P(WORKERS))   # one row per worker
+        # The plan's buckets, as positions in the gradient's leaves (`bucket_leaves`), and
+        # the leaves that are literals (the same on every worker: summed without a
+        # collective); None: each leaf goes through the method on its own.
+        self.bucket_leaves, self.constant_leaves = self._bucket_leaves(traced)
+        self.compiler_options = bucket_options(self.buckets, picked[0].platform)
         self.batch_argnums = tuple(batch_argnums)
         self.loss_scale = spec.loss_scale
         self.on_nonfinite = on_nonfinite
@@ -219,6 +243,68 @@ class CompressedExecutable:
                 "local SGD averages the parameters the step returns, but no result of this "
                 "step replaces an input it differentiates with al.value_and_grad; return "
                 "the updated parameters (same structure, shapes and dtypes as the input)")
+
+    # ---- buckets (full-precision exchange) ---------------------------------------------
+
+    def _bucket_leaves(self, traced: TracedStep):
+        """(buckets as lists of gradient leaf positions, literal leaf positions) for the
+        plan's `SyncBuckets`, or (None, ()) where the plan has none."""
+        b = self.buckets
+        if b is None:
+            return None, ()
+        if b.issue is not BucketIssue.RUNTIME or self.method != C.Dense() or self.delay or \
+                self.local_sgd is not None or (self.num_nodes > 1 and self.local > 1):
+            raise PlanMismatchError(
+                f"the plan buckets the gradient exchange ({b.issue.value}), which this "
+                "engine issues itself only for a full-precision exchange (Dense()) on one "
+                f"level; the plan exchanges with {self.spec.description!r} over "
+                f"{self.num_nodes} node(s) x {self.local}: plan again")
+        if len(traced.grad_leaves) != 1:
+            raise PlanMismatchError(f"the plan buckets the gradient of one al.value_and_grad "
+                                    f"call; this step makes {len(traced.grad_leaves)}")
+        leaves = traced.grad_leaves[0]
+        names = [None if t is None else traced.graph.tensors[t].name for t in leaves]
+        where = {n: k for k, bucket in enumerate(b.buckets) for n in bucket.grads}
+        missing = sorted({n for n in names if n is not None and n not in where})
+        if missing:
+            raise PlanMismatchError(f"gradients {missing[:5]} are in none of the plan's "
+                                    "buckets: the plan was made for another program; plan "
+                                    "again")
+        order = {n: i for bucket in b.buckets for i, n in enumerate(bucket.grads)}
+        buckets: list[list[int]] = [[] for _ in b.buckets]
+        for j in sorted((j for j, n in enumerate(names) if n is not None),
+                        key=lambda j: order[names[j]]):
+            buckets[where[names[j]]].append(j)
+        return [x for x in buckets if x], tuple(j for j, n in enumerate(names) if n is None)
+
+    def bucketed_sums(self, leaves: Sequence[Any]) -> list[Any]:
+        """Each gradient leaf summed over the workers, one all-reduce per bucket and dtype
+        in the plan's order (module docstring); a literal leaf is n times itself."""
+        out: list[Any] = [None] * len(leaves)
+        previous = None
+        for bucket in self.bucket_leaves:
+            by_dtype: dict[Any, list[int]] = {}
+            for j in bucket:
+                by_dtype.setdefault(jnp.result_type(leaves[j]), []).append(j)
+            for group in by_dtype.values():
+                buffer = leaves[group[0]] if len(group) == 1 else \
+                    jnp.concatenate([jnp.ravel(leaves[j]) for j in group])
+                if previous is not None:
+                    # One collective stream in the plan's order: this all-reduce starts
+                    # after the previous one has ended (the backward does not wait).
+                    buffer, _ = jax.lax.optimization_barrier((buffer, previous))
+                previous = total = jax.lax.psum(buffer, WORKERS)
+                if len(group) == 1:
+                    out[group[0]] = total
+                    continue
+                start = 0
+                for j in group:
+                    size = int(np.prod(np.shape(leaves[j])))
+                    out[j] = total[start:start + size].reshape(np.shape(leaves[j]))
+                    start += size
+        for j in self.constant_leaves:
+            out[j] = leaves[j] * self.num_workers
+        return out
 
     # ---- the exchange of one leaf -----------------------------------------------------
 
@@ -466,7 +552,8 @@ class CompressedExecutable:
         mapped = jax.shard_map(worker, mesh=self.mesh,
                                in_specs=(state_spec, P(), *in_specs),
                                out_specs=(out_specs, state_spec, bad_spec))
-        return jax.jit(mapped), in_specs, out_specs
+        return jax.jit(mapped, compiler_options=self.compiler_options or None), in_specs, \
+            out_specs
 
     def _init_state(self, args):
         """Zeroes the per-worker state, shaped for these arguments' gradient leaves."""

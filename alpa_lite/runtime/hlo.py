@@ -3,6 +3,10 @@
 Used to check a plan's predicted collectives against what XLA compiled. Byte counts follow
 the HLO result shape of each collective, per device (for an asynchronous `*-start` op, the
 result buffer of its tuple).
+
+`entry_schedule` reads the order a compiled module runs its entry computation in (a
+compiled module is scheduled: its entry's instructions are listed in execution order),
+so a test can see where each collective sits among the backward's operators.
 """
 
 from __future__ import annotations
@@ -102,3 +106,74 @@ def compiled_collectives(hlo_text: str, program: str, runs: int = 1
     for c in collectives_in_hlo(hlo_text):
         groups[(c.kind, c.nbytes)] = groups.get((c.kind, c.nbytes), 0) + runs
     return tuple(CompiledCollective(program, k, n, cnt) for (k, n), cnt in sorted(groups.items()))
+
+
+# One instruction: "%name = shape opcode(" where a tuple shape is parenthesised.
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+# Operators that do the work of a backward (everything else moves or views data).
+COMPUTE_OPCODES = frozenset({"fusion", "dot", "convolution", "custom-call", "reduce",
+                             "reduce-window", "select-and-scatter", "sort", "scatter"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledOp:
+    """One instruction of a compiled entry computation, in execution order.
+
+    Attributes:
+      position: its place in the schedule (0 first).
+      name: the HLO instruction name.
+      opcode: e.g. "fusion", "dot", "all-reduce", "all-reduce-start".
+      nbytes: its result's bytes per device (summed over a tuple).
+      op_name: the JAX operation it came from (metadata; "" where none), which carries
+        "transpose(jvp(...))" for the backward's operators.
+    """
+    position: int
+    name: str
+    opcode: str
+    nbytes: int
+    op_name: str
+
+    @property
+    def is_backward_compute(self) -> bool:
+        """A compute operator (`COMPUTE_OPCODES`) of the backward pass."""
+        return self.opcode in COMPUTE_OPCODES and "transpose(" in self.op_name
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """(shape text, what follows it) of an instruction's right-hand side."""
+    if not rest.startswith("("):
+        head, _, tail = rest.partition(" ")
+        return head, tail
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return rest[:i + 1], rest[i + 1:].lstrip()
+    return rest, ""
+
+
+def entry_schedule(hlo_text: str) -> tuple[ScheduledOp, ...]:
+    """The entry computation of a compiled module, instruction by instruction in the order
+    it runs (parameters, tuples and constants left out)."""
+    lines = hlo_text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("ENTRY")), None)
+    if start is None:
+        raise ValueError("no ENTRY computation in this HLO text; pass a compiled module's "
+                         "as_text()")
+    ops = []
+    for line in lines[start + 1:]:
+        if line.startswith("}"):
+            break
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        shape, tail = _split_shape(m.group("rest"))
+        opcode = tail.partition("(")[0].strip()
+        if opcode in ("parameter", "constant", "tuple", "get-tuple-element", ""):
+            continue
+        meta = _OP_NAME.search(tail)
+        ops.append(ScheduledOp(len(ops), m.group("name"), opcode, sum(_shape_bytes(shape)),
+                               meta.group(1) if meta else ""))
+    return tuple(ops)

@@ -6,6 +6,11 @@ pinned with `with_sharding_constraint` to the plan's spec, and an operand the pl
 before an operator is pinned to the spec the operator wants. The partitioner (Shardy) then
 inserts exactly the collectives those specs imply. The runtime knows nothing of how the plan
 was found.
+
+Gradient buckets: the partitioner places one reduction per gradient; the plan's bucket
+size (`Plan.sync_buckets`) reaches XLA's combiner and latency-hiding scheduler as compiler
+options of this stage's executable (`runtime.xla_options`: on GPUs; XLA:CPU combines every
+all-reduce whatever it is told).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from alpa_lite.plan import Plan, StagePlan
 from alpa_lite.plan.sharding import TensorSpec
 from alpa_lite.runtime.distributed import place
 from alpa_lite.runtime.hlo import CompiledCollective, compiled_collectives
+from alpa_lite.runtime.xla_options import bucket_options
 
 
 def partition_spec(spec: TensorSpec) -> PartitionSpec:
@@ -41,9 +47,13 @@ def named_sharding(mesh: Mesh, spec: TensorSpec) -> NamedSharding:
 
 
 class StageExecutable:
-    """One compiled SPMD stage: call it with the flattened argument leaves."""
+    """One compiled SPMD stage: call it with the flattened argument leaves.
 
-    def __init__(self, traced: TracedStep, stage: StagePlan, devices: Sequence[Any]):
+    `compiler_options` are XLA's, for this stage's executable alone (`runtime.xla_options`).
+    """
+
+    def __init__(self, traced: TracedStep, stage: StagePlan, devices: Sequence[Any],
+                 compiler_options: dict[str, Any] | None = None):
         self.traced = traced
         self.stage = stage
         self.mesh = stage_mesh(stage, devices)
@@ -52,8 +62,10 @@ class StageExecutable:
         self.out_shardings = tuple(ns(s) for s in stage.output_specs)
         self._tensor = {t: ns(s) for t, s in stage.tensor_specs if s.rank}
         self._operand = {(n, p): ns(s) for n, p, s in stage.operand_specs if s.rank}
+        self.compiler_options = dict(compiler_options or {})
         self._jitted = jax.jit(self._replay, in_shardings=self.in_shardings,
-                               out_shardings=self.out_shardings)
+                               out_shardings=self.out_shardings,
+                               compiler_options=self.compiler_options or None)
         self._compiled: dict[tuple, Any] = {}
 
     def _replay(self, *flat_args):
@@ -95,7 +107,14 @@ class SpmdExecutable:
                 "it runs with alpa_lite.runtime.pipeline.PipelineExecutable")
         self.traced = traced
         self.plan = plan
-        self.stage = StageExecutable(traced, plan.stages[0], devices)
+        platform = devices[plan.stages[0].devices[0]].platform
+        self.stage = StageExecutable(traced, plan.stages[0], devices,
+                                     bucket_options(plan.sync_buckets_of(0), platform))
+
+    @property
+    def compiler_options(self) -> dict[str, Any]:
+        """The XLA options the step's executable is compiled with (`runtime.xla_options`)."""
+        return self.stage.compiler_options
 
     def __call__(self, *args):
         flat = jax.tree_util.tree_leaves(args)

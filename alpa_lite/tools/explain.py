@@ -41,7 +41,13 @@ from alpa_lite.cost_models import stragglers
 from alpa_lite.plan import Plan, StagePlan, SyncCollective
 from alpa_lite.plan.methods import Auto, DataParallel, Manual
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
-from alpa_lite.plan.text import choices_table, fmt_bytes, step_time_table
+from alpa_lite.plan.text import (
+    bucket_sizes_table,
+    choices_table,
+    fmt_bytes,
+    step_time_table,
+    sync_buckets_line,
+)
 from alpa_lite.plan.timing import TimeKind
 from alpa_lite.planning.intra_op import BuiltStage, StageOptions, build_stage
 from alpa_lite.planning.pipeline import PipelinePlanner, forward_names, layer_node_ranges
@@ -86,6 +92,10 @@ def stage_text(plan: Plan, stage: int | None = None) -> str:
                   f"{len(plan.stages)} stage(s), estimated step {fmt_time(plan.step_time_s)}")
     if plan.step_time is not None and stage is None:
         console.print(step_time_table(plan.step_time))
+        for buckets in plan.sync_buckets:
+            console.print(escape(sync_buckets_line(buckets)))
+            if buckets.weighed:
+                console.print(bucket_sizes_table(buckets))
     if plan.choices and stage is None:
         console.print(choices_table(plan))
     for s, st in enumerate(plan.stages):

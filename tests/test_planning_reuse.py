@@ -1,0 +1,143 @@
+"""What makes a search cheap without changing its answer: memory floors that refuse a plan
+before its ILP is built (and never refuse one that fits), stage programs traced once per
+structure, and candidates of one micro-batch count sharing their planner."""
+
+import dataclasses
+import warnings
+
+import gpt
+import optax
+import pytest
+
+import alpa_lite as al
+from alpa_lite.ir.step_parts import stage_program
+from alpa_lite.planning import intra_op
+from alpa_lite.planning.auto_search import SearchSpace, search_auto
+from alpa_lite.planning.layers import forward_layers
+from alpa_lite.planning.memory import memory_floor
+from alpa_lite.planning.pipeline import (
+    PlannerPool,
+    layer_node_ranges,
+    make_pipeline_plan,
+    manual_memory_floor,
+)
+
+TX = optax.adamw(1e-3)
+CFG = gpt.CONFIGS["tiny"]
+FOUR_H100 = al.Cluster.of_gpus("H100", num_nodes=1, devices_per_node=4)
+
+
+def _step(method):
+    return al.parallelize(gpt.make_train_step(CFG, TX), method=method)
+
+
+def _args(batch=8):
+    return gpt.abstract_args(CFG, batch, TX)
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (2, 2), (1, 4)])
+def test_the_memory_floor_is_below_every_plan_and_refuses_before_any_ilp(shape, monkeypatch):
+    step = _step(al.Auto(pipeline=False, mesh_shapes=(shape,)))
+    args = _args()
+    traced = step.trace(*args)
+    floor = memory_floor(traced.graph, 4).total
+    plan = step.plan(*args, cluster=FOUR_H100)
+    assert 0 < floor <= plan.peak_memory_bytes
+
+    # Below the floor nothing can fit: refused with the floor as the smallest peak, and no
+    # intra-op problem is built.
+    built = []
+    monkeypatch.setattr(intra_op, "build_stage", lambda *a, **k: built.append(1))
+    tight = _step(al.Auto(pipeline=False, memory_budget_bytes=floor * 0.99))
+    with pytest.raises(al.MemoryBudgetError, match="every tensor split over all 4 devices") as e:
+        tight.plan(*args, cluster=FOUR_H100)
+    assert e.value.peak_bytes == pytest.approx(floor) and not built
+
+
+@pytest.mark.parametrize("layout", [
+    dict(dp=2, tp=1, pp=2, remat=False), dict(dp=1, tp=2, pp=2, remat=True),
+    dict(dp=1, tp=1, pp=4, remat=False)])
+def test_a_manual_layouts_floor_is_below_its_stages_peaks(layout):
+    method = al.Manual(num_micro_batches=4, **layout)
+    step = _step(method)
+    args = _args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = step.plan(*args, cluster=FOUR_H100)
+    floor = manual_memory_floor(step.parts(*args), method, FOUR_H100)
+    assert 0 < floor <= plan.peak_memory_bytes * (1 + 1e-9)
+    # Not a trivial bound: the fullest stage's parameters, gradients and optimizer state
+    # split tp ways are in it.
+    assert floor > 0.2 * plan.peak_memory_bytes
+
+
+def test_the_search_plans_no_textbook_layout_whose_floor_is_over_budget():
+    # A two-stage pipeline as the stage DP's: layouts of 2 and 4 stages are weighed.
+    pipelined = _step(al.Manual(dp=2, tp=1, pp=2, num_micro_batches=2)).plan(
+        *_args(), cluster=FOUR_H100)
+    budget = FOUR_H100.device.memory_bytes
+    planned = []
+
+    def floor(layout: al.Manual) -> float:
+        # Over budget without remat where tp = 1; over either way where pp = 4.
+        if layout.pp == 4 or (layout.tp == 1 and not layout.remat):
+            return 2 * budget
+        return 0.0
+
+    def textbook(layout: al.Manual):
+        planned.append(layout)
+        return pipelined
+
+    space = SearchSpace(plan_single=lambda: pipelined, plan_pipelined=lambda m: pipelined,
+                        plan_textbook=textbook, textbook_floor=floor, num_devices=4,
+                        devices_per_node=4, budget_bytes=budget)
+    plan = search_auto(al.Auto(num_micro_batches=2), 8, space)
+    assert planned and all(floor(layout) <= budget for layout in planned)
+    assert any(layout.tp == 1 and layout.remat for layout in planned)   # remat tried next
+    refused = [a for a in plan.explanation.alternatives
+               if a.kind == "plan" and a.label.startswith("Megatron") and not a.fits]
+    assert {a.label for a in refused} >= {"Megatron dp=2 tp=1 pp=2, 2 micro-batches",
+                                          "Megatron dp=1 tp=1 pp=4, 2 micro-batches, remat"}
+
+
+def test_ranges_of_one_structure_share_one_traced_program():
+    cfg = dataclasses.replace(CFG, num_layers=6)
+    step = al.parallelize(gpt.make_train_step(cfg, TX), method=al.Auto(num_micro_batches=2))
+    fwd = step.parts(*gpt.abstract_args(cfg, 8, TX)).forward
+    starts = forward_layers(fwd, num_layers=6)
+    bounds = layer_node_ranges(starts, len(fwd.graph.nodes))
+    progs = [stage_program(fwd, a, b) for a, b in bounds]
+    first = {}
+    for p in progs:
+        first.setdefault(p.structure, p)
+    blocks = [p for p in progs if p.structure == progs[1].structure]
+    assert len(blocks) >= 2          # the repeated transformer blocks
+    assert all(p.fb is first[p.structure].fb for p in progs)
+    assert len({id(p.fb) for p in progs}) == len(first)
+    # Each keeps its own range and tensors.
+    assert len({(p.start, p.stop) for p in blocks}) == len(blocks)
+    assert len({p.params for p in blocks}) == len(blocks)
+    # Remembered per forward graph: the layer cut is too.
+    assert forward_layers(fwd, num_layers=6) is starts
+
+
+def test_candidates_sharing_a_pool_plan_as_alone_and_count_only_new_work():
+    step = _step(al.Auto(num_micro_batches=2))
+    args = _args()
+    parts = step.parts(*args)
+    outer = parts.outer
+
+    def plan(method, pool):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return make_pipeline_plan(parts, method, FOUR_H100, outer.fingerprint,
+                                      outer.input_avals, pool=pool)
+
+    auto = al.Auto(num_micro_batches=2, schedule="1f1b")
+    manual = al.Manual(dp=2, tp=1, pp=2, num_micro_batches=2)
+    pool = PlannerPool()
+    first = plan(auto, pool)
+    again = plan(auto, pool)
+    assert again.step_time_s == first.step_time_s and again.stages == first.stages
+    assert first.stats.layer_ilps > 0 and again.stats.layer_ilps == 0
+    assert plan(manual, pool).stages == plan(manual, None).stages
