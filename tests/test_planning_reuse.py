@@ -141,3 +141,32 @@ def test_candidates_sharing_a_pool_plan_as_alone_and_count_only_new_work():
     assert again.step_time_s == first.step_time_s and again.stages == first.stages
     assert first.stats.layer_ilps > 0 and again.stats.layer_ilps == 0
     assert plan(manual, pool).stages == plan(manual, None).stages
+
+
+def test_the_stage_dp_counts_what_a_recomputing_stage_rebuilds_and_stays_a_relaxation():
+    """A recomputing stage holds one micro-batch's residuals again in its backward: the DP
+    counts at least their bytes split over the submesh, so a count no pipeline can fit is
+    refused by its first stage search, and a plan the DP picks is still fitted whole."""
+    args = _args()
+    parts = _step(al.Auto(num_micro_batches=4)).parts(*args)
+
+    def dp_plan(budget=None):
+        method = al.Auto(num_micro_batches=4, schedule="1f1b", memory_budget_bytes=budget)
+        return make_pipeline_plan(parts, method, FOUR_H100, parts.outer.fingerprint,
+                                  parts.outer.input_avals)
+
+    peak = dp_plan().peak_memory_bytes
+    compared = 0
+    for fraction in (0.5, 0.4):
+        plan = dp_plan(fraction * peak)
+        chosen = {a.stage: a for a in plan.explanation.alternatives
+                  if a.kind == "option" and a.chosen}
+        for s, st in enumerate(plan.stages):
+            if st.remat and "remat" in chosen[s].label:
+                # The DP's model of the option it chose never exceeds the whole-stage
+                # estimate of that option planned whole.
+                assert 0 < chosen[s].memory_bytes <= st.peak_memory_bytes
+                compared += 1
+    assert compared
+    with pytest.raises(al.MemoryBudgetError, match=r"after 1 stage search\(es\)"):
+        dp_plan(0.3 * peak)

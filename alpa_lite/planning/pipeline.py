@@ -805,7 +805,9 @@ def _auto_stages(planner: PipelinePlanner, method: Auto, cluster: Cluster, bound
     dp_budget = budget
     smallest = math.inf
     last: Exception | None = None
+    searches = 0
     for _ in range(FIT_ATTEMPTS):
+        searches += 1
         weighed: list[Alternative] = []
         try:
             chosen, dp_stats = _search(planner, method, cluster, bounds, m, weighed, dp_budget)
@@ -827,7 +829,7 @@ def _auto_stages(planner: PipelinePlanner, method: Auto, cluster: Cluster, bound
         if smallest < math.inf else ""
     raise MemoryBudgetError(
         f"no pipeline with {m} micro-batch(es) fits {format_bytes(budget)} per device "
-        f"after {FIT_ATTEMPTS} stage searches{peak}: {last}. Use more micro-batches, more "
+        f"after {searches} stage search(es){peak}: {last}. Use more micro-batches, more "
         "devices or a smaller batch, or raise memory_budget_bytes",
         smallest if smallest < math.inf else getattr(last, "peak_bytes", math.inf))
 
@@ -1011,14 +1013,15 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
                      if (mesh.shape, mesh.axis_names) not in planner.lean_pruned
                      and not _params_finest(prog, planner.cost(prog, mesh, None), mesh))
     for li, prog in enumerate(progs):
+        residuals = sum(prog.fb.graph.tensors[t].nbytes for t in prog.residuals)
         for si, sub in enumerate(shapes):
             for shape in _logical_shapes(sub):
                 options = _layer_options(planner, prog, LogicalMesh(shape, ("x", "y")))
                 for kind, c in zip(("fast", "lean"), options):
                     rows.setdefault((si, shape, kind), []).append(
                         [c.forward_s, c.search_backward_s(m), c.param_bytes, c.act_bytes,
-                         c.input_bytes])
-    prefix = {k: np.vstack([np.zeros(5), np.cumsum(np.array(v), axis=0)])
+                         c.input_bytes, residuals / sub.num_devices])
+    prefix = {k: np.vstack([np.zeros(6), np.cumsum(np.array(v), axis=0)])
               for k, v in rows.items()}
     index = {sub: i for i, sub in enumerate(shapes)}
     gpipe = method.schedule == "gpipe"
@@ -1029,12 +1032,17 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
         for shape in _logical_shapes(sub):
             for kind in ("fast", "lean"):
                 p = prefix[(si, shape, kind)]
-                f, bw, par, act, inp = p[end + 1] - p[start]
+                f, bw, par, act, inp, rebuilt = p[end + 1] - p[start]
                 tag = "" if kind == "fast" else " lean"
+                # A recomputing stage keeps only its inputs per micro-batch in flight, but
+                # its backward rebuilds every residual of one micro-batch at once (the
+                # whole-stage estimate counts them as workspace): a constant term, at
+                # least their bytes split over every device of the submesh (whatever the
+                # whole stage's shardings, so the DP still never refuses a stage that fits).
                 if gpipe:   # every stage holds all m micro-batches, not the DP's 1F1B count
-                    par, act, inp, kept = par + act * m, 0.0, 0.0, par + inp * m
+                    par, act, inp, kept = par + act * m, 0.0, 0.0, par + inp * m + rebuilt
                 else:
-                    kept = par
+                    kept = par + rebuilt
                 out.append(StageOption(f + bw, par, act, label=f"{shape}{tag}"))
                 out.append(StageOption(2 * f + bw, kept, inp, label=f"{shape}{tag} remat"))
         return out
