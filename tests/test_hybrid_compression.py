@@ -247,6 +247,40 @@ def test_hybrid_layouts_of_auto_compression():
     assert micro_batch_count(8, 4, 2) is None        # one example per replica at best
 
 
+def test_a_layout_that_does_not_fit_gets_more_micro_batches_then_remat():
+    """As Megatron-LM users do: a layout whose activations do not fit is planned again with
+    more micro-batches, then with recomputation; variants whose memory floor is over the
+    budget are skipped unplanned, and the first variant that fits stands for the layout."""
+    from alpa_lite.planning.hybrid_search import best_hybrid, layout_variants
+    layout = al.Manual(dp=4, tp=8, pp=1, num_micro_batches=1)
+    variants = layout_variants(layout, 64)
+    assert [(v.num_micro_batches, v.remat) for v in variants] == [
+        (m, r) for m in (1, 2, 4, 8) for r in (False, True)]
+
+    class FakePlan:
+        def __init__(self, layout):
+            self.layout = layout
+            # Memory falls with more micro-batches and with remat; so does speed.
+            self.peak_memory_bytes = 100.0 / layout.num_micro_batches / (
+                2 if layout.remat else 1)
+            self.step_time_s = layout.num_micro_batches + (0.5 if layout.remat else 0.0)
+
+    planned = []
+
+    def plan_layout(v):
+        planned.append(v)
+        return FakePlan(v)
+
+    def floor(v):      # m = 1 cannot fit whatever the ILP does
+        return 1e9 if v.num_micro_batches == 1 else 0.0
+
+    best, outcomes = best_hybrid([layout], plan_layout, 20.0, 64, floor)
+    assert [(v.num_micro_batches, v.remat) for v in planned] == [
+        (2, False), (2, True), (4, False), (4, True)]
+    assert best.layout == dataclasses.replace(layout, num_micro_batches=4, remat=True)
+    assert len(outcomes) == 1 and outcomes[0].plan is best and outcomes[0].note == ""
+
+
 def test_dgc_momentum_beside_a_momentum_optimizer_is_refused_in_hybrid_plans():
     """The double-momentum check (compression.momentum) covers hybrid plans too."""
     step, args = mlp_case(tx=optax.sgd(0.1, momentum=0.9))

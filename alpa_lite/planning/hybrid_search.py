@@ -12,6 +12,12 @@ smallest count of at least 4 x pp, Megatron-LM's rule of thumb for a bubble unde
 that leaves every replica at least two examples per micro-batch). `best_hybrid` plans
 each with the compression asked for (the planner picks the compressor per stage and per
 gradient, `planning.stage_exchange`) and keeps the fastest that fits.
+
+A layout whose activations do not fit at that count is not given up: as Megatron-LM users
+do, it is planned again with more micro-batches (gradient accumulation where pp = 1) and
+then with recomputation, the first variant that fits standing for the layout
+(`layout_variants`). A variant whose memory floor (the least peak any of its plans can
+have, without an ILP) is over the budget is not planned.
 """
 
 from __future__ import annotations
@@ -63,19 +69,44 @@ def hybrid_layouts(num_devices: int, devices_per_node: int, batch: int) -> list[
     return out
 
 
+def layout_variants(layout: Manual, batch: int) -> list[Manual]:
+    """`layout` at its own micro-batch count and then at every larger one that splits the
+    batch evenly over dp with at least two examples per replica, each without and then with
+    recomputation: in the order `best_hybrid` tries them (memory falls along it)."""
+    counts = [m for m in range(layout.num_micro_batches, batch + 1)
+              if batch % (m * layout.dp) == 0
+              and batch // (m * layout.dp) >= MIN_EXAMPLES_PER_REPLICA]
+    return [dataclasses.replace(layout, num_micro_batches=m, remat=remat)
+            for m in counts for remat in (False, True)]
+
+
 def best_hybrid(layouts: list[Manual], plan_layout: Callable[[Manual], Plan],
-                budget_bytes: float) -> tuple[Plan | None, tuple[HybridOutcome, ...]]:
+                budget_bytes: float, batch: int,
+                floor: Callable[[Manual], float] | None = None
+                ) -> tuple[Plan | None, tuple[HybridOutcome, ...]]:
     """The fastest plan among `layouts` (planned by `plan_layout`) that fits
-    `budget_bytes` per device, and what each layout gave."""
+    `budget_bytes` per device, and what each layout gave: its first variant that fits
+    (`layout_variants`), or the last one tried. `floor` gives a variant's least possible
+    peak memory per device; a variant over budget by it is skipped unplanned."""
     best, outcomes = None, []
     for layout in layouts:
-        try:
-            plan = plan_layout(layout)
-        except PlanningError as e:
-            outcomes.append(HybridOutcome(layout, None, " ".join(str(e).split())[:200]))
-            continue
-        fits = plan.peak_memory_bytes <= budget_bytes
-        outcomes.append(HybridOutcome(layout, plan, "" if fits else "over the memory budget"))
-        if fits and (best is None or plan.step_time_s < best.step_time_s):
-            best = plan
+        outcome = None
+        for variant in layout_variants(layout, batch):
+            if floor is not None and floor(variant) > budget_bytes:
+                outcome = outcome or HybridOutcome(
+                    variant, None, "needs more than the memory budget whatever its shardings")
+                continue
+            try:
+                plan = plan_layout(variant)
+            except PlanningError as e:
+                outcome = HybridOutcome(variant, None, " ".join(str(e).split())[:200])
+                break
+            fits = plan.peak_memory_bytes <= budget_bytes
+            outcome = HybridOutcome(variant, plan, "" if fits else "over the memory budget")
+            if fits:
+                if best is None or plan.step_time_s < best.step_time_s:
+                    best = plan
+                break
+        if outcome is not None:
+            outcomes.append(outcome)
     return best, tuple(outcomes)
