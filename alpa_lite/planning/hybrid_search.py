@@ -72,7 +72,8 @@ def hybrid_layouts(num_devices: int, devices_per_node: int, batch: int) -> list[
 def layout_variants(layout: Manual, batch: int) -> list[Manual]:
     """`layout` at its own micro-batch count and then at every larger one that splits the
     batch evenly over dp with at least two examples per replica, each without and then with
-    recomputation: in the order `best_hybrid` tries them (memory falls along it)."""
+    recomputation: in the order `best_hybrid` tries them (each more micro-batches or
+    recomputation holds fewer activations)."""
     counts = [m for m in range(layout.num_micro_batches, batch + 1)
               if batch % (m * layout.dp) == 0
               and batch // (m * layout.dp) >= MIN_EXAMPLES_PER_REPLICA]
@@ -92,13 +93,15 @@ def best_hybrid(layouts: list[Manual], plan_layout: Callable[[Manual], Plan],
     for layout in layouts:
         outcome = None
         for variant in layout_variants(layout, batch):
-            if floor is not None and floor(variant) > budget_bytes:
-                outcome = outcome or HybridOutcome(
-                    variant, None, "needs more than the memory budget whatever its shardings")
-                continue
             try:
+                if floor is not None and floor(variant) > budget_bytes:
+                    outcome = outcome or HybridOutcome(
+                        variant, None, "needs more than the memory budget whatever its "
+                        "shardings")
+                    continue
                 plan = plan_layout(variant)
-            except PlanningError as e:
+            except (PlanningError, ValueError) as e:
+                # (ValueError: the model refuses this micro-batch size while traced.)
                 outcome = HybridOutcome(variant, None, " ".join(str(e).split())[:200])
                 break
             fits = plan.peak_memory_bytes <= budget_bytes

@@ -19,8 +19,10 @@ activation transfers between stages, and the optimizer update each stage runs on
 
 An Auto pipeline is returned only when every stage's whole-stage memory estimate fits: a
 stage that overshoots sends the stage DP back with its budget lowered by the overshoot
-(`_auto_stages`). Layer solutions are memoised by structure within a plan and kept on
-disk across plans (`planning.cache`).
+(`_auto_stages`). Layer solutions are memoised by structure within a plan, shared by the
+candidates of one search (`PlannerPool`) and kept on disk across plans (`planning.cache`).
+A Manual layout's memory floor (`manual_memory_floor`) lets a search skip layouts that
+cannot fit without solving any ILP.
 """
 
 from __future__ import annotations
