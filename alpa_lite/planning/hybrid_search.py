@@ -45,12 +45,17 @@ class HybridOutcome:
         return None if self.plan is None else self.plan.step_time_s
 
 
+def splits(batch: int, dp: int, m: int) -> bool:
+    """Whether `batch` splits evenly into m micro-batches over dp replicas, each replica's
+    share of a micro-batch at least `MIN_EXAMPLES_PER_REPLICA` examples."""
+    return batch % (m * dp) == 0 and batch // (m * dp) >= MIN_EXAMPLES_PER_REPLICA
+
+
 def micro_batch_count(batch: int, dp: int, pp: int) -> int | None:
     """The micro-batch count of a dp x pp layout (module docstring); None: none works."""
     if pp == 1:
-        return 1 if batch % dp == 0 and batch // dp >= MIN_EXAMPLES_PER_REPLICA else None
-    valid = [m for m in range(pp, batch + 1)
-             if batch % (m * dp) == 0 and batch // (m * dp) >= MIN_EXAMPLES_PER_REPLICA]
+        return 1 if splits(batch, dp, 1) else None
+    valid = [m for m in range(pp, batch + 1) if splits(batch, dp, m)]
     if not valid:
         return None
     enough = [m for m in valid if m >= MICRO_BATCHES_PER_STAGE * pp]
@@ -75,8 +80,7 @@ def layout_variants(layout: Manual, batch: int) -> list[Manual]:
     recomputation: in the order `best_hybrid` tries them (each more micro-batches or
     recomputation holds fewer activations)."""
     counts = [m for m in range(layout.num_micro_batches, batch + 1)
-              if batch % (m * layout.dp) == 0
-              and batch // (m * layout.dp) >= MIN_EXAMPLES_PER_REPLICA]
+              if splits(batch, layout.dp, m)]
     return [dataclasses.replace(layout, num_micro_batches=m, remat=remat)
             for m in counts for remat in (False, True)]
 
