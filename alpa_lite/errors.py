@@ -13,6 +13,10 @@ class MemoryBudgetError(PlanningError):
         super().__init__(message)
         self.peak_bytes = peak_bytes
 
+    def __reduce__(self):
+        # Planning workers send their errors back pickled (`planning.workers`).
+        return type(self), (str(self), self.peak_bytes)
+
 
 class PlanMismatchError(ValueError):
     """A plan was used with a different cluster, program or argument shapes."""

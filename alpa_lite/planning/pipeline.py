@@ -28,11 +28,8 @@ cannot fit without solving any ILP.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import math
-import os
-import threading
 import warnings
 from typing import Mapping
 
@@ -95,6 +92,7 @@ from alpa_lite.planning.spmd import manual_pins, solver_for
 from alpa_lite.planning.strategies import node_compute_time
 from alpa_lite.planning.step_time import pipeline_step_time
 from alpa_lite.planning.update_placement import place_update
+from alpa_lite.planning.workers import map_forked
 from alpa_lite.progress import CLUSTER, DP, ILPS, Progress, report
 from alpa_lite.solvers.stage_dp import (
     NoFeasiblePipelineError,
@@ -124,6 +122,18 @@ class StageCost:
         micro-batches carries 1/m of that in place of its own reductions
         (`planning.gradient_sync` settles it for the chosen stages)."""
         return self.backward_s - self.grad_sync_s + self.reduce_once_s / m
+
+
+@dataclasses.dataclass(frozen=True)
+class Solved:
+    """One intra-op job's answer as `PipelinePlanner._solve` gives it: the plan's cost or
+    why there is none, whether an ILP was solved for it or the disk cache had it, and the
+    ILP's build and solve time."""
+    answer: "StageCost | PlanningError"
+    solved: bool = False
+    cache_hit: bool = False
+    build_s: float = 0.0
+    solve_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +175,6 @@ class PipelinePlanner:
         self.ilps = 0           # intra-op problems solved
         self.build_s = 0.0
         self.solve_s = 0.0
-        self._lock = threading.Lock()
         self.memos: dict[tuple, MeshMemo] = {}
         self.options: dict[tuple, tuple[StageCost, StageCost]] = {}   # `_layer_options`
         # Logical meshes (shape, axis names) whose memory-lean layer plans cannot help.
@@ -179,9 +188,8 @@ class PipelinePlanner:
     def counters(self) -> "PlannerWork":
         """The work done so far: intra-op problems solved, their build and solve time,
         plans asked for, and those read from the disk cache."""
-        with self._lock:
-            return PlannerWork(self.ilps, self.build_s, self.solve_s, len(self.asked),
-                               self.cache_hits)
+        return PlannerWork(self.ilps, self.build_s, self.solve_s, len(self.asked),
+                           self.cache_hits)
 
     def reuse_key(self, prog: StageProgram):
         """What intra-op plans are memoised by: the range's structure (identical layers
@@ -239,62 +247,72 @@ class PipelinePlanner:
         return self._renamed(_moved(cost, mesh.device_offset), prog)
 
     def prefetch(self, jobs) -> None:
-        """Plans the (program, mesh, manual, lean) jobs `cost` has not memoised, several at
-        a time: HiGHS releases the GIL while it solves, so on a machine with more than one
-        core the solves overlap. Each job is planned exactly as `cost` would, alone; a job
-        that cannot be planned is remembered, and `cost` raises its error."""
+        """Plans the (program, mesh, manual, lean) jobs `cost` has not memoised, on every
+        usable core (`planning.workers`: forked processes, since the build is Python). The
+        jobs of one logical mesh go to one worker, in one task, so that they share the
+        mesh's memo (strategies and reshard costs) as they would here. Each job is planned
+        exactly as `cost` would, alone; a job that cannot be planned is remembered, and
+        `cost` raises its error."""
         todo = {}
         for prog, mesh, manual, lean in jobs:
             key = (self.reuse_key(prog), mesh.shape, mesh.axis_names, manual, lean)
             if key not in self.costs:
                 todo.setdefault(key, (key, prog, mesh, manual, lean))
-        self._queue(len(todo))
-        workers = min(len(todo), os.cpu_count() or 1)
-        if workers <= 1:
-            for job in todo.values():
-                self._compute(*job)
+        if not todo:
             return
-        pool = concurrent.futures.ThreadPoolExecutor(workers)
-        try:
-            for f in [pool.submit(self._compute, *job) for job in todo.values()]:
-                f.result()
-        except BaseException:
-            # Ctrl-C (or a bug): drop the queued problems rather than solve them all
-            # before the error can surface; a solve already running ends on its own.
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown()
+        self._queue(len(todo))
+        tasks: dict[tuple, list] = {}
+        for job in todo.values():
+            tasks.setdefault((job[2].shape, job[2].axis_names), []).append(job)
+        tasks = list(tasks.values())
+
+        def solve_task(task):
+            return [self._solve(*job[1:]) for job in task]
+
+        def record(i, outcome):
+            for job, solved in zip(tasks[i], outcome.get()):
+                self._record(job[0], solved)
+
+        map_forked(solve_task, tasks, record)
 
     def _queue(self, n: int) -> None:
         if n:
-            with self._lock:
-                self.queued += n
-                done, total = self.done, self.queued
+            self.queued += n
+            done, total = self.done, self.queued
             report(self.progress, ILPS, done, total)
 
     def _compute(self, key, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
                  lean: bool) -> None:
+        self._record(key, self._solve(prog, mesh, manual, lean))
+
+    def _solve(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+               lean: bool) -> "Solved":
+        """One job's answer, from the disk cache or planned; changes nothing of the
+        planner's but the mesh memo (it may run in a worker: `_record` files it)."""
         disk = None if self.exhaustive or cache_dir() is None else cache_key(
             "layer", prog.structure, mesh.shape, mesh.axis_names, repr(manual), lean,
             mesh_cluster(self.cluster, mesh.num_devices), self.opt_ratio, self.solver,
             self.time_limit_s, sorted(self.seeds(prog).items()), self.split_batch)
         cached = load_object("layers", disk) if disk else None
         if isinstance(cached, StageCost):
-            self.costs[key] = cached
-            with self._lock:
-                self.cache_hits += 1
-        else:
-            try:
-                self.costs[key] = self._plan(prog, mesh, manual, lean)
-                if disk:
-                    save_object("layers", disk, self.costs[key])
-            except PlanningError as e:
-                self.costs[key] = e
-                with self._lock:
-                    self.ilps += 1      # solved, and found nothing
-        with self._lock:
-            self.done += 1
-            done, total = self.done, self.queued
+            return Solved(cached, cache_hit=True)
+        try:
+            res = self.build(prog, mesh, manual, lean).solve()
+        except PlanningError as e:
+            return Solved(e, solved=True)      # solved, and found nothing
+        cost = self.cost_of(prog, mesh, res)
+        if disk:
+            save_object("layers", disk, cost)
+        return Solved(cost, solved=True, build_s=res.build_s, solve_s=res.solve_s)
+
+    def _record(self, key, solved: "Solved") -> None:
+        self.costs[key] = solved.answer
+        self.ilps += solved.solved
+        self.build_s += solved.build_s
+        self.solve_s += solved.solve_s
+        self.cache_hits += solved.cache_hit
+        self.done += 1
+        done, total = self.done, self.queued
         report(self.progress, ILPS, done, total)
 
     def build(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
@@ -308,23 +326,13 @@ class PipelinePlanner:
                                         split_batch=self.split_batch)
         elif lean:
             pin = _most_split_params(fb, mesh)
-        with self._lock:
-            memo = self.memos.setdefault((mesh.shape, mesh.axis_names),
-                                         MeshMemo.for_mesh(mesh, self.cluster))
+        memo = self.memos.setdefault((mesh.shape, mesh.axis_names),
+                                     MeshMemo.for_mesh(mesh, self.cluster))
         options = StageOptions(pin=pin, node_pin=node_pin, solver=self.solver,
                                time_limit_s=self.time_limit_s,
                                tensor_names=self.input_names(prog),
                                param_memory_factor=2.0 + self.opt_ratio)
         return build_stage(fb, mesh, self.cluster, options, memo)
-
-    def _plan(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
-              lean: bool) -> StageCost:
-        res = self.build(prog, mesh, manual, lean).solve()
-        with self._lock:
-            self.ilps += 1
-            self.build_s += res.build_s
-            self.solve_s += res.solve_s
-        return self.cost_of(prog, mesh, res)
 
     def cost_of(self, prog: StageProgram, mesh: LogicalMesh, res: StageResult) -> StageCost:
         """The `StageCost` of one solved intra-op plan of a range."""
@@ -920,17 +928,18 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
         found = candidates(a, b, mesh, remat) + ([] if remat else candidates(a, b, mesh, True))
         return sorted(found, key=lambda f: (f[0], f[2], f[3], f[1].shape))
 
-    plans = [(planner.program(bounds[a][0], bounds[b][1]), both(a, b, mesh, remat))
-             for (a, b), mesh, remat, _ in chosen]
-    planner.prefetch((prog, cands[0][1], None, cands[0][2]) for prog, cands in plans)
-    for s, (((a, b), mesh, remat, lean), (prog, cands)) in enumerate(zip(chosen, plans)):
+    def walk(s: int, prog: StageProgram, cands):
+        """One stage's walk over its candidates; yields each whole-stage job it is about
+        to read, returns (best, what it weighed)."""
         in_flight = min(S - s, m) if method.schedule == "1f1b" else m
+        (a, b) = chosen[s][0]
         best = None
         weighed = []
         for layer_sum, cand, lean_, remat_ in cands:
             if best is not None and not best[0][0] and layer_sum >= best[0][1]:
                 break
             label = f"mesh {cand.shape}{' lean' if lean_ else ''}{' remat' if remat_ else ''}"
+            yield (prog, cand, None, lean_)
             try:
                 c = planner.cost(prog, cand, None, lean_)
             except PlanningError:
@@ -942,6 +951,30 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
             weighed.append(Alternative("mesh", s, label, t, memory, memory <= budget))
             if best is None or key < best[0]:
                 best = (key, ((a, b), cand, remat_, lean_), len(weighed) - 1)
+        return best, weighed
+
+    # The stages walk in rounds: each round plans the next candidate of every stage still
+    # walking together, on every core (`prefetch`); a stage's walk reads only its own
+    # candidates, so this decides what walking the stages one after another would.
+    walks = [walk(s, planner.program(bounds[a][0], bounds[b][1]), both(a, b, mesh, remat))
+             for s, ((a, b), mesh, remat, _) in enumerate(chosen)]
+    ended: dict[int, tuple] = {}
+    wanted = {}
+    for s, w in enumerate(walks):
+        try:
+            wanted[s] = next(w)
+        except StopIteration as stop:
+            ended[s] = stop.value
+    while wanted:
+        planner.prefetch(wanted.values())
+        for s in list(wanted):
+            try:
+                wanted[s] = next(walks[s])
+            except StopIteration as stop:
+                ended[s] = stop.value
+                del wanted[s]
+    for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
+        best, weighed = ended[s]
         if alternatives is not None:
             pick = best[2] if best is not None else -1
             alternatives.extend(dataclasses.replace(w, chosen=True) if i == pick else w

@@ -31,6 +31,7 @@ from alpa_lite.planning.gradient_sync import single_stage_sync
 from alpa_lite.planning.intra_op import StageOptions, StageResult, build_stage, plan_stage
 from alpa_lite.planning.memory import memory_floor, solve_within_memory
 from alpa_lite.planning.step_time import single_stage_step_time
+from alpa_lite.planning.workers import map_forked
 from alpa_lite.progress import ILPS, Progress, report
 from alpa_lite.solvers.sharding_ilp import Solver
 
@@ -265,31 +266,41 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
                 f"(every tensor split over all {n} devices); pipeline it, use more devices "
                 "or a smaller batch", floor.total)
         shapes = method_m.mesh_shapes or auto_mesh_shapes(n)
-        report(progress, ILPS, 0, len(shapes))
-        for i, shape in enumerate(shapes):
+        for shape in shapes:
             if shape[0] * shape[1] != n:
                 raise ValueError(f"Auto(mesh_shapes=...) has {shape}, whose product is not "
                                  f"the {n} devices of cluster {cluster.name!r}")
-            mesh = LogicalMesh(tuple(shape), ("x", "y"))
-            try:
-                res = _solve_fitting(graph, mesh, cluster, options, budget)
-            except PlanningError as e:
-                failures.append(e)
-                report(progress, ILPS, i + 1, len(shapes))
-                continue
-            results.append((mesh, res))
-            report(progress, ILPS, i + 1, len(shapes))
-        if method_m.mesh_shapes is None:
-            # The textbook layouts compete too: data parallelism and Megatron's dp x tp on
-            # each mesh. Inside a mesh the ILP charges a gradient all-reduce in full, though
-            # the step hides it under the backward where the platform overlaps
-            # communication, so a mesh's ILP optimum can lose to them on the whole step
-            # (BERT-base on 8xH100 1.06x DataParallel's; GPT-350M at batch 4 on 8xV100
-            # 1.03x Manual(dp=4, tp=2)'s).
-            for dp, tp in [(n, 1)] + [tuple(s) for s in shapes if s[1] > 1]:
-                found = _manual_candidate(graph, dp, tp, cluster, options, budget)
-                if found is not None:
-                    results.append(found)
+        # Each mesh's ILP, and, where Auto chooses the meshes, the textbook layouts: data
+        # parallelism and Megatron's dp x tp on each mesh. Inside a mesh the ILP charges a
+        # gradient all-reduce in full, though the step hides it under the backward where
+        # the platform overlaps communication, so a mesh's ILP optimum can lose to them on
+        # the whole step (BERT-base on 8xH100 1.06x DataParallel's; GPT-350M at batch 4 on
+        # 8xV100 1.03x Manual(dp=4, tp=2)'s). They are independent problems, planned on
+        # every core (`planning.workers`).
+        layouts = [] if method_m.mesh_shapes is not None else \
+            [(n, 1)] + [tuple(s) for s in shapes if s[1] > 1]
+        jobs = [(False, tuple(shape)) for shape in shapes] + [(True, dt) for dt in layouts]
+
+        def solve(job):
+            textbook, shape = job
+            if textbook:
+                return _manual_candidate(graph, *shape, cluster, options, budget)
+            mesh = LogicalMesh(shape, ("x", "y"))
+            return mesh, _solve_fitting(graph, mesh, cluster, options, budget)
+
+        finished = 0
+
+        def tick(i, outcome):
+            nonlocal finished
+            finished += 1
+            report(progress, ILPS, finished, len(jobs))
+
+        report(progress, ILPS, 0, len(jobs))
+        for outcome in map_forked(solve, jobs, tick):
+            if outcome.error is not None:
+                failures.append(outcome.error)
+            elif outcome.value is not None:
+                results.append(outcome.value)
         if not results:
             msg = "no logical mesh gives a plan that fits: " + " | ".join(map(str, failures))
             peaks = [getattr(e, "peak_bytes", None) for e in failures]

@@ -119,6 +119,11 @@ MIP_RELATIVE_GAP = 1e-9
 """Relative optimality gap both solvers must close (HiGHS' own default, 1e-4, is too loose
 for costs that differ by a few microseconds out of a second)."""
 
+LP_INTEGRALITY_TOLERANCE = 1e-7
+"""How far from 0 or 1 a strategy variable of the LP relaxation's optimum may be for that
+optimum to be taken as the ILP's (``_run_highs``); HiGHS' own integrality tolerance is 1e-6,
+so an LP answer accepted here is one its MILP would accept at the root."""
+
 _BRUTE_FORCE_CHUNK = 1 << 16  # combinations evaluated per numpy batch in brute_force
 
 
@@ -1164,14 +1169,30 @@ def _run_solver(model: _Model, solver: Solver, time_limit_s: float) -> tuple[str
 
 def _run_highs(model: _Model, time_limit_s: float):
     """HiGHS through highspy, the matrix passed whole (PuLP's HiGHS interface adds one
-    column and one row at a time from Python, which costs as much as the solve here)."""
+    column and one row at a time from Python, which costs as much as the solve here).
+
+    The LP relaxation is solved first. MARGINAL's relaxation is the local polytope, and on
+    the problems met here its optimum is almost always integral already: then it is an
+    optimum of the ILP too (the ILP's optimum is no lower than the LP's, and an integral
+    point is feasible for the ILP), and the MILP is not run. Measured on GPT-39B's
+    transformer layers on 2-D meshes (11k columns, 2-core box): 38 of 40 relaxations
+    integral, 0.02–0.05 s each against 0.1–0.35 s for HiGHS' MILP on the same model, which
+    spends the difference in MIP presolve and set-up before it too stops at the root. A
+    fractional relaxation (a binding memory row, say) costs that LP extra, then the MILP
+    runs on the same model.
+
+    HiGHS' own presolve is off for both: ``_presolve`` has already reduced the model, and
+    HiGHS' pass found little more while costing more than it saved. Measured on the same
+    box: LP relaxations 2.5x faster; the MILPs of GPT-1.3B's whole graph 1.6 s -> 0.65 s and
+    of a hard GPT-39B layer (12% root gap, 32 sequences per micro-batch) 10.7 s -> 3.7 s,
+    with the same optimum."""
     import highspy
 
+    start = time.perf_counter()
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = model.num_variables, model.num_constraints
     lp.col_cost_ = model.cost
     lp.col_lower_ = np.zeros(model.num_variables)
-    lp.col_upper_ = model.upper
     lp.row_lower_ = np.where(np.isinf(model.row_lower), -highspy.kHighsInf, model.row_lower)
     lp.row_upper_ = np.where(np.isinf(model.row_upper), highspy.kHighsInf, model.row_upper)
     lp.col_upper_ = np.where(np.isinf(model.upper), highspy.kHighsInf, model.upper)
@@ -1180,13 +1201,26 @@ def _run_highs(model: _Model, time_limit_s: float):
     lp.a_matrix_.start_ = model.row_starts
     lp.a_matrix_.index_ = model.index
     lp.a_matrix_.value_ = model.value
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("presolve", "off")
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.passModel(lp)
+    h.run()
+    if h.getModelStatus() == highspy.HighsModelStatus.kOptimal:
+        values = np.asarray(h.getSolution().col_value)
+        x = values[model.integral]
+        if np.all(np.abs(x - np.round(x)) <= LP_INTEGRALITY_TOLERANCE):
+            return "optimal", values
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                        for i in model.integral]
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", MIP_RELATIVE_GAP)
     h.setOptionValue("mip_abs_gap", 0.0)
-    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("presolve", "off")
+    h.setOptionValue("time_limit", max(float(time_limit_s) - (time.perf_counter() - start),
+                                       1e-3))
     # HiGHS' sub-MIP heuristics (RINS, RENS, root reduced cost) spent most of the 8 s that
     # GPT-39B's layer on a (16, 2) mesh took (solved at the root either way; 3 s without
     # them), and made no other layer faster. The answer is the same: the gap is unchanged.

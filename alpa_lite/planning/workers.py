@@ -1,0 +1,152 @@
+"""Independent planning problems on every core, in forked worker processes.
+
+The intra-op problems of a search (each layer structure on each logical mesh, each mesh of
+a single stage) are independent of one another, and most of each is Python: strategies,
+follower groups and resharding edges are built before HiGHS sees a model. Threads cannot
+overlap that part (HiGHS releases the GIL, the build does not): measured on GPT-39B at 128
+micro-batches on the 2-core box, two planner threads took as long as one (61 s against
+64 s). `map_forked` runs the problems in worker processes instead.
+
+Why fork. A forked worker starts with everything the planner holds (the traced stage
+programs, the per-mesh memos) without pickling any of it, and sends back only its answer
+(a `StageCost` or `StageResult`, which the disk cache pickles already). A spawned worker
+would import JAX and unpickle the programs first, about 2 s each here.
+
+What a worker may run: pure planning (cost models, strategies, the ILP and its solver),
+never JAX, whose runtime threads do not survive a fork (JAX warns about exactly that; the
+warning is silenced around the fork because the workers never call JAX). HiGHS' own thread
+pool is reset in each worker for the same reason.
+
+Where it runs in this process instead, in order: one usable core, a single problem, a
+platform without fork, or a call made inside a worker. The answers are the same either way;
+only the time differs.
+
+Ctrl-C: workers ignore SIGINT; the planner's KeyboardInterrupt stops them (terminated, so
+no half-solved problem outlives the planner) and propagates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import pickle
+import signal
+import traceback
+import warnings
+from typing import Callable, Generic, Sequence, TypeVar
+
+from alpa_lite.errors import PlanningError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# The work of the current `map_forked` call, read by forked workers from their copy of this
+# module (only a task's index crosses the pipe).
+_work: tuple[Callable, Sequence] | None = None
+_in_worker = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome(Generic[R]):
+    """One task's answer: its value, or the PlanningError it raised (a problem with no plan
+    is an answer, not a failure of the search)."""
+    value: R | None = None
+    error: PlanningError | None = None
+
+    def get(self) -> R:
+        """The value; raises the task's PlanningError where it had none."""
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the platform tells)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def map_forked(fn: Callable[[T], R], tasks: Sequence[T],
+               on_done: Callable[[int, Outcome[R]], None] | None = None) -> list[Outcome[R]]:
+    """`fn` over `tasks`, in forked workers where more than one core is usable.
+
+    Args:
+      fn: the task's work; pure planning, no JAX (module docstring). It may be a closure:
+        workers inherit it by fork, it is never pickled. Its value must pickle.
+      tasks: the tasks, also inherited, never pickled.
+      on_done: called in this process as each task finishes (in any order), with its index
+        and outcome; for progress.
+
+    Returns:
+      One `Outcome` per task, in the order of `tasks`. Exceptions other than PlanningError
+      propagate (the first met), after the workers are stopped.
+    """
+    global _work
+    outcomes: list[Outcome[R] | None] = [None] * len(tasks)
+
+    def done(i: int, outcome: Outcome[R]) -> None:
+        outcomes[i] = outcome
+        if on_done is not None:
+            on_done(i, outcome)
+
+    workers = min(len(tasks), usable_cores())
+    if workers <= 1 or _in_worker or not hasattr(os, "fork"):
+        for i, task in enumerate(tasks):
+            done(i, _run(fn, task))
+        return outcomes
+    _work = (fn, tasks)
+    try:
+        with warnings.catch_warnings():
+            # JAX (and Python 3.12+) warn that forking a threaded process may deadlock the
+            # child; the workers never touch JAX or the threads that warning is about.
+            warnings.filterwarnings("ignore", message=r".*fork\(\)", category=RuntimeWarning)
+            warnings.filterwarnings("ignore", message=r".*fork\(\)",
+                                    category=DeprecationWarning)
+            pool = multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker)
+        try:
+            for i, (kind, payload) in pool.imap_unordered(_run_index, range(len(tasks))):
+                if kind == "raised":
+                    raise payload
+                done(i, payload)
+        except BaseException:
+            pool.terminate()
+            raise
+        pool.close()
+        pool.join()
+    finally:
+        _work = None
+    return outcomes
+
+
+def _start_worker() -> None:
+    global _in_worker
+    _in_worker = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import highspy
+        # The parent's HiGHS scheduler threads are not in the child.
+        highspy.Highs.resetGlobalScheduler(True)
+    except ImportError:
+        pass
+
+
+def _run(fn: Callable[[T], R], task: T) -> Outcome[R]:
+    try:
+        return Outcome(value=fn(task))
+    except PlanningError as e:
+        return Outcome(error=e)
+
+
+def _run_index(i: int):
+    fn, tasks = _work
+    try:
+        return i, ("done", _run(fn, tasks[i]))
+    except Exception as e:         # sent back and raised in the planner
+        try:
+            pickle.dumps(e)
+        except Exception:
+            e = RuntimeError("a planning worker failed:\n" + traceback.format_exc())
+        return i, ("raised", e)
