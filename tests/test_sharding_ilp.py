@@ -456,3 +456,47 @@ def test_highs_status_is_reported(monkeypatch, time_limit, feasible, expect):
     else:
         solution = solve_sharding_ilp(_TWO_NODES, Solver.HIGHS, presolve=False)
         assert solution.status == expect and solution.objective_s == 3.0
+
+
+def _count_highs_runs(monkeypatch) -> list[bool]:
+    """Records, per HiGHS run, whether the model it solved had integer columns."""
+    import highspy
+
+    runs: list[bool] = []
+
+    class Counting(highspy.Highs):
+        def run(self):
+            runs.append(self.getLp().integrality_ != [] and any(
+                t == highspy.HighsVarType.kInteger for t in self.getLp().integrality_))
+            return super().run()
+
+    monkeypatch.setattr(highspy, "Highs", Counting)
+    return runs
+
+
+def test_an_integral_lp_relaxation_answers_without_the_milp(monkeypatch):
+    """A chain's MARGINAL relaxation is exact (a tree): one LP run, no MILP, and the optimum
+    is brute force's."""
+    rng = np.random.default_rng(3)
+    nodes = tuple(ILPNode(f"n{v}", tuple(rng.random(3))) for v in range(5))
+    edges = tuple(ILPEdge(v, v + 1, rng.random((3, 3))) for v in range(4))
+    problem = ShardingProblem(nodes, edges)
+    runs = _count_highs_runs(monkeypatch)
+    solution = solve_sharding_ilp(problem, Solver.HIGHS, presolve=False)
+    assert runs == [False]
+    assert solution.status == "optimal"
+    assert solution.objective_s == pytest.approx(brute_force(problem).objective_s, abs=1e-12)
+
+
+def test_a_fractional_lp_relaxation_falls_back_to_the_milp(monkeypatch):
+    """A frustrated triangle: every edge costs 1 where its ends agree, and two strategies
+    per node, so any choice pays at least 1 but the local polytope reaches 0 with every
+    x at 1/2. The LP is fractional, the MILP runs, and the answer is the true optimum."""
+    same = np.eye(2)
+    nodes = tuple(ILPNode(f"n{v}", (0.0, 0.0)) for v in range(3))
+    edges = (ILPEdge(0, 1, same), ILPEdge(1, 2, same), ILPEdge(0, 2, same))
+    problem = ShardingProblem(nodes, edges)
+    runs = _count_highs_runs(monkeypatch)
+    solution = solve_sharding_ilp(problem, Solver.HIGHS, presolve=False)
+    assert runs == [False, True]
+    assert solution.objective_s == pytest.approx(1.0)

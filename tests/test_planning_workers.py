@@ -1,0 +1,85 @@
+"""Tests for alpa_lite.planning.workers: forked workers give what running in order gives."""
+
+import os
+
+import pytest
+
+from alpa_lite.errors import MemoryBudgetError, PlanningError
+from alpa_lite.planning import workers
+from alpa_lite.planning.workers import map_forked
+
+
+def test_answers_come_back_in_task_order_from_other_processes():
+    scale = [10]          # a closure: workers inherit it by fork, nothing is pickled
+    seen = []
+
+    def square(x):
+        return x * x * scale[0], os.getpid()
+
+    outcomes = map_forked(square, list(range(7)), lambda i, o: seen.append(i))
+    assert [o.get()[0] for o in outcomes] == [10 * x * x for x in range(7)]
+    assert sorted(seen) == list(range(7))
+    if workers.usable_cores() > 1:
+        assert {o.get()[1] for o in outcomes} - {os.getpid()}, "nothing ran in a worker"
+
+
+def test_a_planning_error_is_an_answer_and_keeps_its_fields():
+    def solve(x):
+        if x == 2:
+            raise MemoryBudgetError("stage 2 needs 20 GiB", 20.0 * 2**30)
+        return x
+
+    outcomes = map_forked(solve, [0, 1, 2, 3])
+    assert [o.value for o in outcomes] == [0, 1, None, 3]
+    err = outcomes[2].error
+    assert isinstance(err, MemoryBudgetError) and err.peak_bytes == 20.0 * 2**30
+    with pytest.raises(MemoryBudgetError, match="needs 20 GiB"):
+        outcomes[2].get()
+
+
+def test_any_other_error_propagates():
+    def solve(x):
+        if x == 1:
+            raise KeyError("a bug")
+        return x
+
+    with pytest.raises(KeyError, match="a bug"):
+        map_forked(solve, [0, 1, 2])
+
+
+def test_one_core_runs_in_this_process(monkeypatch):
+    monkeypatch.setattr(workers, "usable_cores", lambda: 1)
+    outcomes = map_forked(lambda x: os.getpid(), [0, 1])
+    assert {o.get() for o in outcomes} == {os.getpid()}
+
+
+def test_planning_errors_pickle_with_their_fields():
+    import pickle
+    e = pickle.loads(pickle.dumps(MemoryBudgetError("over", 3.0)))
+    assert isinstance(e, PlanningError) and str(e) == "over" and e.peak_bytes == 3.0
+
+
+@pytest.mark.parametrize("method", [dict(num_micro_batches=2), dict(pipeline=False)])
+def test_a_plan_made_on_every_core_is_the_plan_made_in_order(method, monkeypatch):
+    """The pipeline search's layer and stage problems and the single stage's meshes,
+    planned in workers and in this process: the same plan, and the same count of
+    intra-op problems solved."""
+    import gpt
+    import optax
+
+    import alpa_lite as al
+
+    tx = optax.adamw(1e-3)
+    cfg = gpt.CONFIGS["tiny"]
+    cluster = al.Cluster.of_gpus("H100", num_nodes=1, devices_per_node=4)
+    args = gpt.abstract_args(cfg, 8, tx)
+
+    def plan():
+        step = al.parallelize(gpt.make_train_step(cfg, tx), method=al.Auto(**method))
+        return step.plan(*args, cluster=cluster)
+
+    forked = plan()
+    monkeypatch.setattr(workers, "usable_cores", lambda: 1)
+    in_order = plan()
+    assert forked.to_json() == in_order.to_json()
+    assert forked.stats.layer_ilps == in_order.stats.layer_ilps
