@@ -9,7 +9,7 @@ are presets or `Cluster.of_gpus`, not the local devices. Each case runs under a 
 (--limit, default 600 s); a case over it is reported as such.
 
 Per case: the median wall time of --repeats cold plans (and their spread), the phases of
-the median run (trace; intra-op ILP build and solve, summed over the solver threads; stage
+the median run (trace; intra-op ILP build and solve, summed over the worker processes; stage
 DP), the intra-op problems solved, those answered by an identical layer's solve, those read
 from the disk cache, the whole plans `Auto()` weighed, the plan chosen and its estimated
 step, a warm plan's wall time, and where asked (--exhaustive, ladders up to 16 GPUs) the
@@ -130,7 +130,8 @@ def run(spec: dict, limit_s: float, cache: str | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(label: str, spec: dict, repeats: int, limit_s: float, exhaustive: bool) -> dict:
+def measure(label: str, spec: dict, repeats: int, limit_s: float, exhaustive: bool,
+            warm: bool = True) -> dict:
     cold = []
     for _ in range(repeats):
         r = run(spec, limit_s, None)
@@ -142,12 +143,12 @@ def measure(label: str, spec: dict, repeats: int, limit_s: float, exhaustive: bo
     median = sorted(cold, key=lambda r: r["wall_s"])[(len(cold) - 1) // 2]
     row = {"case": label, **spec, "cold_runs_s": [round(r["wall_s"], 2) for r in cold],
            "cold_median_s": statistics.median(r["wall_s"] for r in cold), "median_run": median}
-    if "error" not in median:
+    if "error" not in median and warm:
         with tempfile.TemporaryDirectory() as folder:
             run(spec, limit_s, folder)                  # fills the cache
             row["warm"] = run(spec, limit_s, folder)    # the second plan of the same step
-        if exhaustive:
-            row["exhaustive"] = run(spec | {"exhaustive": True}, limit_s, None)
+    if "error" not in median and exhaustive:
+        row["exhaustive"] = run(spec | {"exhaustive": True}, limit_s, None)
     return row
 
 
@@ -178,7 +179,7 @@ def table(rows: list[dict]) -> None:
             "-" if ex is None else ex.get("error", f"{ex.get('est_step_s', 0):.4g}")[:30],
             f"{r['target_s']:.0f}"])
     _common.print_table("Planning time, Auto() with nothing set (2-core CPU machine)", cols, out,
-                        "build and solve are summed over the solver threads; warm: the same "
+                        "build and solve are summed over the worker processes; warm: the same "
                         "plan again with the disk cache of the run before")
 
 
@@ -194,6 +195,8 @@ def main() -> None:
     ap.add_argument("--max-gpus", type=int, default=None,
                     help="ladders: only the rungs with at most this many GPUs")
     ap.add_argument("--repeats", type=int, default=REPEATS)
+    ap.add_argument("--no-warm", action="store_true",
+                    help="skip the warm (disk cache) runs: two more plans per case")
     ap.add_argument("--limit", type=float, default=LIMIT_S, help="seconds per plan")
     ap.add_argument("--out", type=Path, default=_common.RESULTS_DIR / "planning_time.json")
     args = ap.parse_args()
@@ -208,7 +211,8 @@ def main() -> None:
         module, size, batch, cluster, target = CASES[name]
         spec = {"module": module, "size": size, "batch": batch, "cluster": cluster,
                 "one_stage": name.endswith("-one-stage")}
-        rows.append(measure(name, spec, args.repeats, args.limit, False) | {"target_s": target})
+        rows.append(measure(name, spec, args.repeats, args.limit, False, not args.no_warm)
+                    | {"target_s": target})
     ladders = {}
     for name in args.ladder:
         rungs = []
@@ -218,7 +222,8 @@ def main() -> None:
             spec = {"module": name, "size": size, "batch": LADDER_BATCH[name],
                     "cluster": f"V100:{gpus}"}
             rungs.append(measure(f"{name}-{size}/{gpus}", spec, args.repeats, args.limit,
-                                 args.exhaustive and gpus <= EXHAUSTIVE_MAX_GPUS)
+                                 args.exhaustive and gpus <= EXHAUSTIVE_MAX_GPUS,
+                                 not args.no_warm)
                          | {"target_s": LADDER_TARGET_S})
         total = sum(r["cold_median_s"] for r in rungs)
         ladders[name] = {"total_cold_median_s": total, "target_s": LADDER_TARGET_S}

@@ -261,10 +261,10 @@ class PipelinePlanner:
         if not todo:
             return
         self._queue(len(todo))
-        tasks: dict[tuple, list] = {}
+        by_mesh: dict[tuple, list] = {}
         for job in todo.values():
-            tasks.setdefault((job[2].shape, job[2].axis_names), []).append(job)
-        tasks = list(tasks.values())
+            by_mesh.setdefault((job[2].shape, job[2].axis_names), []).append(job)
+        tasks = list(by_mesh.values())
 
         def solve_task(task):
             return [self._solve(*job[1:]) for job in task]
@@ -932,7 +932,7 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
         """One stage's walk over its candidates; yields each whole-stage job it is about
         to read, returns (best, what it weighed)."""
         in_flight = min(S - s, m) if method.schedule == "1f1b" else m
-        (a, b) = chosen[s][0]
+        a, b = chosen[s][0]
         best = None
         weighed = []
         for layer_sum, cand, lean_, remat_ in cands:
@@ -958,21 +958,22 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
     # candidates, so this decides what walking the stages one after another would.
     walks = [walk(s, planner.program(bounds[a][0], bounds[b][1]), both(a, b, mesh, remat))
              for s, ((a, b), mesh, remat, _) in enumerate(chosen)]
-    ended: dict[int, tuple] = {}
-    wanted = {}
-    for s, w in enumerate(walks):
+    wanted: dict[int, tuple] = {}       # stage -> the job its walk reads next
+    ended: dict[int, tuple] = {}        # stage -> its walk's (best, weighed)
+
+    def advance(s: int) -> None:
         try:
-            wanted[s] = next(w)
+            wanted[s] = next(walks[s])
         except StopIteration as stop:
             ended[s] = stop.value
+            wanted.pop(s, None)
+
+    for s in range(S):
+        advance(s)
     while wanted:
-        planner.prefetch(wanted.values())
+        planner.prefetch(list(wanted.values()))
         for s in list(wanted):
-            try:
-                wanted[s] = next(walks[s])
-            except StopIteration as stop:
-                ended[s] = stop.value
-                del wanted[s]
+            advance(s)
     for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
         best, weighed = ended[s]
         if alternatives is not None:
