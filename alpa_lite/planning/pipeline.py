@@ -849,11 +849,13 @@ def _fit_stages(planner: PipelinePlanner, method, bounds, chosen, m: int):
     (`_fit_stage`): the stage records, their costs, programs and memory estimates."""
     budget = (method.memory_budget_bytes if isinstance(method, Auto) else None) or \
         planner.cluster.device.memory_bytes
-    stages, costs, progs, estimates = [], [], [], []
-    for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
-        prog = planner.program(bounds[a][0], bounds[b][1])
-        progs.append(prog)
-        manual = method if isinstance(method, Manual) else None
+    manual = method if isinstance(method, Manual) else None
+    progs = [planner.program(bounds[a][0], bounds[b][1]) for (a, b), _, _, _ in chosen]
+    # The stages' whole plans on every core at once (a Manual layout's are all new).
+    planner.prefetch((prog, mesh, manual, lean)
+                     for prog, (_, mesh, _, lean) in zip(progs, chosen))
+    stages, costs, estimates = [], [], []
+    for s, (((a, b), mesh, remat, lean), prog) in enumerate(zip(chosen, progs)):
         cost = planner.cost(prog, mesh, manual, lean)
         # The planner never returns a stage its whole-stage estimate says does not fit.
         held = held_micro_batches(method.schedule, len(chosen), s, m)
