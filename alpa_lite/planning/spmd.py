@@ -282,10 +282,10 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
         jobs = [(False, tuple(shape)) for shape in shapes] + [(True, dt) for dt in layouts]
 
         def solve(job):
-            textbook, shape = job
+            textbook, dims = job      # (dp, tp) of a textbook layout, else a mesh shape
             if textbook:
-                return _manual_candidate(graph, *shape, cluster, options, budget)
-            mesh = LogicalMesh(shape, ("x", "y"))
+                return _manual_candidate(graph, *dims, cluster, options, budget)
+            mesh = LogicalMesh(dims, ("x", "y"))
             return mesh, _solve_fitting(graph, mesh, cluster, options, budget)
 
         finished = 0
