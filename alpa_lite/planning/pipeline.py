@@ -250,9 +250,10 @@ class PipelinePlanner:
         """Plans the (program, mesh, manual, lean) jobs `cost` has not memoised, on every
         usable core (`planning.workers`: forked processes, since the build is Python). The
         jobs of one logical mesh go to one worker, in one task, so that they share the
-        mesh's memo (strategies and reshard costs) as they would here. Each job is planned
-        exactly as `cost` would, alone; a job that cannot be planned is remembered, and
-        `cost` raises its error."""
+        mesh's memo (strategies and reshard costs) as they would here; what a worker adds to
+        a memo is not sent back, so a later round's workers build it again. Each job is
+        planned exactly as `cost` would, alone; a job that cannot be planned is remembered,
+        and `cost` raises its error."""
         todo = {}
         for prog, mesh, manual, lean in jobs:
             key = (self.reuse_key(prog), mesh.shape, mesh.axis_names, manual, lean)
