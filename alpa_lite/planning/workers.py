@@ -18,7 +18,8 @@ warning is silenced around the fork because the workers never call JAX). HiGHS' 
 pool is reset in each worker for the same reason.
 
 Where it runs in this process instead, in order: one usable core, a single problem, a
-platform without fork, or a call made inside a worker. The answers are the same either way;
+platform other than Linux (macOS' system libraries are not safe to use after a fork
+without exec, and Windows has no fork), or a call made inside a worker. The answers are the same either way;
 only the time differs.
 
 Ctrl-C: workers ignore SIGINT; the planner's KeyboardInterrupt stops them (terminated, so
@@ -32,6 +33,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import traceback
 import warnings
 from typing import Callable, Generic, Sequence, TypeVar
@@ -93,7 +95,7 @@ def map_forked(fn: Callable[[T], R], tasks: Sequence[T],
             on_done(i, outcome)
 
     workers = min(len(tasks), usable_cores())
-    if workers <= 1 or _in_worker or not hasattr(os, "fork"):
+    if workers <= 1 or _in_worker or not sys.platform.startswith("linux"):
         for i, task in enumerate(tasks):
             done(i, _run(fn, task))
         return outcomes
