@@ -240,7 +240,7 @@ class PipelinePlanner:
         self.asked.add((id(prog), mesh.shape, mesh.axis_names, manual, lean))
         if key not in self.costs:
             self._queue(1)
-            self._compute(key, prog, mesh, manual, lean)
+            self._record(key, self._solve(prog, mesh, manual, lean))
         cost = self.costs[key]
         if isinstance(cost, PlanningError):
             raise cost
@@ -282,12 +282,8 @@ class PipelinePlanner:
             done, total = self.done, self.queued
             report(self.progress, ILPS, done, total)
 
-    def _compute(self, key, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
-                 lean: bool) -> None:
-        self._record(key, self._solve(prog, mesh, manual, lean))
-
     def _solve(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
-               lean: bool) -> "Solved":
+               lean: bool) -> Solved:
         """One job's answer, from the disk cache or planned; changes nothing of the
         planner's but the mesh memo (it may run in a worker: `_record` files it)."""
         disk = None if self.exhaustive or cache_dir() is None else cache_key(
@@ -306,7 +302,7 @@ class PipelinePlanner:
             save_object("layers", disk, cost)
         return Solved(cost, solved=True, build_s=res.build_s, solve_s=res.solve_s)
 
-    def _record(self, key, solved: "Solved") -> None:
+    def _record(self, key, solved: Solved) -> None:
         self.costs[key] = solved.answer
         self.ilps += solved.solved
         self.build_s += solved.build_s
