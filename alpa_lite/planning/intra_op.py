@@ -289,7 +289,7 @@ def build_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster,
     problem = _tied_problem(graph, units, groups, edges, cls, None)
     return BuiltStage(graph, mesh, cluster, units, groups, group_of, cls, problem, cache,
                       dict(options.tensor_names or {}), options.solver, options.time_limit_s,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, edges)
 
 
 @dataclasses.dataclass(eq=False)
@@ -308,6 +308,61 @@ class BuiltStage:
     solver: Solver
     time_limit_s: float
     build_s: float
+    edges: dict = dataclasses.field(default_factory=dict)   # (group, group) -> cost matrix
+
+    def restricted(self, pin: InputPin) -> "BuiltStage":
+        """This problem with the inputs' strategies limited to those `pin` allows, with no
+        second build: what `build_stage` with `pin` in its options builds.
+
+        A pin changes no group: an input leads its own (only a batch or optimizer-state
+        input read once follows its reader, and a pin must leave those whole), and a unit
+        that follows an input picks its strategy per strategy of the input. So the pinned
+        problem is this one with the rows of the disallowed input strategies removed from
+        each group, its edges cut to match. Groups of one repeated class share one choice;
+        they keep the rows every member allows.
+
+        Raises:
+          PlanningError: `pin` allows no strategy of some input.
+          ValueError: `pin` restricts an input that follows another unit.
+        """
+        t0 = time.perf_counter()
+        units, graph, off = self.units, self.graph, self.units.offset
+        rows_of_class: dict[int, np.ndarray] = {}
+        for i, g in enumerate(self.groups):
+            rows = np.ones(len(g.cost), dtype=bool)
+            for u in g.members:
+                if u >= off:
+                    continue
+                t = graph.tensors[units.source_tensors[u]]
+                allowed = [pin(t, st.out_specs[0]) for st in units.strategies[u]]
+                if all(allowed):
+                    continue
+                if not any(allowed):
+                    raise PlanningError(
+                        f"input {t.name} {t.shape} has no allowed sharding on mesh "
+                        f"{dict(zip(self.mesh.axis_names, self.mesh.shape))}")
+                if u != g.leader:
+                    raise ValueError(f"the pin restricts input {t.name}, which follows another "
+                                     "unit: build the problem with the pin instead")
+                rows &= np.array([allowed[k] for k in g.choice[u]], dtype=bool)
+            c = self.cls[i]
+            rows_of_class[c] = rows if c not in rows_of_class else rows_of_class[c] & rows
+        for c, rows in rows_of_class.items():
+            if not rows.any():
+                leader = self.groups[self.cls.index(c)].leader
+                raise PlanningError(f"{unit_name(graph, units, leader)} has no strategy left on "
+                                    f"mesh {self.mesh.shape} under the pin")
+        keep = [np.flatnonzero(rows_of_class[self.cls[i]]) for i in range(len(self.groups))]
+        groups = []
+        for g, k in zip(self.groups, keep):
+            ng = Group(g.leader, g.members, {u: tuple(c[j] for j in k) for u, c in g.choice.items()},
+                       g.cost[k])
+            ng.memory = g.memory[k]
+            groups.append(ng)
+        edges = {(a, b): m[np.ix_(keep[a], keep[b])] for (a, b), m in self.edges.items()}
+        problem = _tied_problem(graph, units, groups, edges, self.cls, None)
+        return dataclasses.replace(self, groups=groups, problem=problem, edges=edges,
+                                   build_s=time.perf_counter() - t0)
 
     @property
     def min_memory_bytes(self) -> float:

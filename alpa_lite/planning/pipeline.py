@@ -276,6 +276,62 @@ class PipelinePlanner:
 
         map_forked(solve_task, tasks, record)
 
+    def prefetch_layers(self, progs, meshes, in_flight: int | None, budget: float) -> None:
+        """Every distinct layer of `progs` (all the layers of the step) planned on each of
+        `meshes`, fastest and memory-lean, as `_layer_options` asks for them, on every
+        usable core: one task per mesh. A task solves the mesh's fastest plans, decides
+        whether the lean ones can help (not where every layer's fastest plan, all in one
+        stage holding `in_flight` micro-batches, fits `budget`: a lean plan is never faster,
+        it only saves memory; `in_flight` None: they always may), and derives each lean
+        problem it needs from the fastest one it built (`BuiltStage.restricted`). The
+        meshes whose lean plans cannot help go to `lean_pruned`."""
+        count = collections.Counter(self.reuse_key(prog) for prog in progs)
+        first = {self.reuse_key(prog): prog for prog in reversed(progs)}
+        distinct = [(key, first[key], n) for key, n in count.items()]
+        tasks = [mesh for mesh in meshes if (mesh.shape, mesh.axis_names) not in self.lean_pruned
+                 and any((key, mesh.shape, mesh.axis_names, None, lean) not in self.costs
+                         for key, _, _ in distinct for lean in (False, True))]
+        if not tasks:
+            return
+        self._queue(2 * len(distinct) * len(tasks))
+
+        def known(key) -> Solved | None:
+            return Solved(self.costs[key]) if key in self.costs else None
+
+        def layer_task(mesh):
+            builds: dict = {}
+            fast = [known((key, mesh.shape, mesh.axis_names, None, False)) or
+                    self._solve(prog, mesh, None, False, builds) for key, prog, _ in distinct]
+            answers = [f.answer for f in fast]
+            pruned = in_flight is not None and \
+                all(isinstance(a, StageCost) for a in answers) and \
+                sum(n * (a.param_bytes + in_flight * a.act_bytes)
+                    for (_, _, n), a in zip(distinct, answers)) <= budget
+            # The fastest plan stands for the lean one where it already splits every
+            # parameter finest (or where there is no plan), as `_layer_options` takes it.
+            lean = [None if pruned else
+                    known((key, mesh.shape, mesh.axis_names, None, True)) or
+                    (Solved(f.answer) if not isinstance(f.answer, StageCost)
+                     or _params_finest(prog, f.answer, mesh)
+                     else self._solve(prog, mesh, None, True, builds))
+                    for (key, prog, _), f in zip(distinct, fast)]
+            return fast, lean, pruned
+
+        def record(i, outcome):
+            mesh = tasks[i]
+            fast, lean, pruned = outcome.get()
+            if pruned:
+                self.lean_pruned.add((mesh.shape, mesh.axis_names))
+            for (key, _, _), f, l in zip(distinct, fast, lean):
+                for kind, solved in ((False, f), (True, l)):
+                    k = (key, mesh.shape, mesh.axis_names, None, kind)
+                    if solved is None or k in self.costs:
+                        self.done += 1
+                    else:
+                        self._record(k, solved)
+
+        map_forked(layer_task, tasks, record)
+
     def _queue(self, n: int) -> None:
         if n:
             self.queued += n
@@ -283,9 +339,12 @@ class PipelinePlanner:
             report(self.progress, ILPS, done, total)
 
     def _solve(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
-               lean: bool) -> Solved:
+               lean: bool, builds: dict | None = None) -> Solved:
         """One job's answer, from the disk cache or planned; changes nothing of the
-        planner's but the mesh memo (it may run in a worker: `_record` files it)."""
+        planner's but the mesh memo (it may run in a worker: `_record` files it).
+        `builds`: problems built in this task, by program id; a memory-lean job derives its
+        problem from the fastest one's there (`BuiltStage.restricted`), and a fastest job
+        leaves its problem there."""
         disk = None if self.exhaustive or cache_dir() is None else cache_key(
             "layer", prog.structure, mesh.shape, mesh.axis_names, repr(manual), lean,
             mesh_cluster(self.cluster, mesh.num_devices), self.opt_ratio, self.solver,
@@ -294,7 +353,11 @@ class PipelinePlanner:
         if isinstance(cached, StageCost):
             return Solved(cached, cache_hit=True)
         try:
-            res = self.build(prog, mesh, manual, lean).solve()
+            base = (builds or {}).get(id(prog)) if lean and manual is None else None
+            built = self.build(prog, mesh, manual, lean, base)
+            if builds is not None and not lean:
+                builds[id(prog)] = built
+            res = built.solve()
         except PlanningError as e:
             return Solved(e, solved=True)      # solved, and found nothing
         cost = self.cost_of(prog, mesh, res)
@@ -313,16 +376,23 @@ class PipelinePlanner:
         report(self.progress, ILPS, done, total)
 
     def build(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
-              lean: bool) -> BuiltStage:
+              lean: bool, fastest: BuiltStage | None = None) -> BuiltStage:
         """The intra-op problem of a range on a logical mesh, as `cost` plans it (built,
-        not solved: `cost` solves it, `explain` shows it)."""
+        not solved: `cost` solves it, `explain` shows it). The memory-lean problem is the
+        fastest one with each parameter's strategies cut to its finest splits
+        (`BuiltStage.restricted`): from `fastest` where the caller has it built, which
+        saves a second build."""
         fb = prog.fb.graph
         pin = node_pin = None
         if manual is not None:
             pin, node_pin = manual_pins(fb, manual.dp, manual.tp, False, self.seeds(prog),
                                         split_batch=self.split_batch)
         elif lean:
-            pin = _most_split_params(fb, mesh)
+            base = fastest or self.build(prog, mesh, None, False)
+            built = base.restricted(_most_split_params(fb, mesh))
+            # Its build time: the restriction, and the fastest problem's where built for it.
+            return built if fastest else \
+                dataclasses.replace(built, build_s=built.build_s + base.build_s)
         memo = self.memos.setdefault((mesh.shape, mesh.axis_names),
                                      MeshMemo.for_mesh(mesh, self.cluster))
         options = StageOptions(pin=pin, node_pin=node_pin, solver=self.solver,
@@ -836,8 +906,8 @@ def _auto_stages(planner: PipelinePlanner, method: Auto, cluster: Cluster, bound
         if smallest < math.inf else ""
     raise MemoryBudgetError(
         f"no pipeline with {m} micro-batch(es) fits {format_bytes(budget)} per device "
-        f"after {searches} stage search(es){peak}: {last}. Use more micro-batches, more "
-        "devices or a smaller batch, or raise memory_budget_bytes",
+        f"after {searches} stage search(es){peak}: {str(last).rstrip('.')}. Use more "
+        "micro-batches, more devices or a smaller batch, or raise memory_budget_bytes",
         smallest if smallest < math.inf else getattr(last, "peak_bytes", math.inf))
 
 
@@ -1004,19 +1074,40 @@ def _layer_options(planner: PipelinePlanner, prog: StageProgram, mesh: LogicalMe
     return planner.options[key]
 
 
-def _lean_cannot_help(planner: PipelinePlanner, progs, mesh: LogicalMesh, in_flight: int,
-                      budget: float) -> bool:
-    """Whether every layer's fastest plan on `mesh`, all of them in one stage holding
-    `in_flight` micro-batches, fits `budget`: then no stage on this mesh needs the
-    memory-lean option (never faster, it only saves memory), and it is not solved."""
-    # Identical layers share one plan: look each structure up once, weighted by its count.
-    count = collections.Counter(planner.reuse_key(prog) for prog in progs)
-    first = {planner.reuse_key(prog): prog for prog in reversed(progs)}
-    need = 0.0
-    for key, n in count.items():
-        c = planner.cost(first[key], mesh, None)
-        need += n * (c.param_bytes + in_flight * c.act_bytes)
-    return need <= budget
+def _refuse_below_floor(planner: PipelinePlanner, progs, m: int, budget: float,
+                        method: Auto) -> None:
+    """Raises PlanningError, before any intra-op problem is built, where no pipeline fits
+    `budget` even with every layer's parameters, activations and residuals split over all
+    the devices of its stage: the stage DP run on those floors. Each floor is at most the
+    memory of every option `_search` gives the DP (the same terms, each split no finer than
+    the submesh allows), so a pipeline the floors cannot fit has no plan that fits."""
+    cluster = planner.cluster
+    N, M = cluster.num_nodes, cluster.devices_per_node
+    rows = []
+    for prog in progs:
+        g = prog.fb.graph
+        rows.append([sum(g.tensors[t].nbytes for t in prog.fb_params) * (2.0 + planner.opt_ratio),
+                     sum(g.tensors[t].nbytes for t in prog.fb_acts),
+                     sum(g.tensors[t].nbytes for t in prog.residuals)])
+    prefix = np.vstack([np.zeros(3), np.cumsum(np.array(rows, dtype=float), axis=0)])
+    gpipe = method.schedule == "gpipe"
+
+    def options(start: int, end: int, sub: SubmeshShape):
+        par, inp, res = (prefix[end + 1] - prefix[start]) / sub.num_devices
+        # Only whether some pipeline fits is asked: any positive latency will do.
+        latency = (end - start + 1) / sub.num_devices
+        if gpipe:
+            return [StageOption(latency, par + (inp + res) * m, 0.0),
+                    StageOption(latency, par + inp * m + res, 0.0)]
+        return [StageOption(latency, par, inp + res), StageOption(latency, par + res, inp)]
+
+    try:
+        solve_stage_dp(len(progs), N, M, m, options, budget, max_stages=method.max_stages)
+    except NoFeasiblePipelineError as e:
+        raise PlanningError(
+            f"no pipeline plan fits in {budget / 2**30:.1f} GiB per device, even with every "
+            f"parameter, activation and residual split over all the devices of its stage "
+            f"(no intra-op problem was solved): {e}") from None
 
 
 def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m: int,
@@ -1037,16 +1128,11 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
     rows: dict[tuple[int, tuple[int, int], str], list] = {}
     progs = [planner.program(a, b) for a, b in bounds]
     meshes = [LogicalMesh(shape, ("x", "y")) for sub in shapes for shape in _logical_shapes(sub)]
-    distinct = list({planner.reuse_key(prog): prog for prog in progs}.values())
-    planner.prefetch((prog, mesh, None, False) for prog in distinct for mesh in meshes)
     if not planner.exhaustive:
-        in_flight = m if method.schedule == "gpipe" else min(m, L)
-        planner.lean_pruned.update(
-            (mesh.shape, mesh.axis_names) for mesh in meshes
-            if _lean_cannot_help(planner, progs, mesh, in_flight, budget))
-    planner.prefetch((prog, mesh, None, True) for prog in distinct for mesh in meshes
-                     if (mesh.shape, mesh.axis_names) not in planner.lean_pruned
-                     and not _params_finest(prog, planner.cost(prog, mesh, None), mesh))
+        _refuse_below_floor(planner, progs, m, budget, method)
+    in_flight = None if planner.exhaustive else \
+        m if method.schedule == "gpipe" else min(m, L)
+    planner.prefetch_layers(progs, meshes, in_flight, budget)
     for li, prog in enumerate(progs):
         residuals = sum(prog.fb.graph.tensors[t].nbytes for t in prog.residuals)
         for si, sub in enumerate(shapes):
