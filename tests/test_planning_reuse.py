@@ -11,15 +11,19 @@ import pytest
 
 import alpa_lite as al
 from alpa_lite.ir.step_parts import stage_program
-from alpa_lite.planning import intra_op
+from alpa_lite.plan.sharding import LogicalMesh
+from alpa_lite.planning import intra_op, pipeline
 from alpa_lite.planning.auto_search import SearchSpace, search_auto
 from alpa_lite.planning.layers import forward_layers
 from alpa_lite.planning.memory import memory_floor
+from alpa_lite.solvers.sharding_ilp import Solver
+from alpa_lite.solvers.stage_dp import submesh_shapes
 from alpa_lite.planning.pipeline import (
     PlannerPool,
     layer_node_ranges,
     make_pipeline_plan,
     manual_memory_floor,
+    most_split_params,
 )
 
 TX = optax.adamw(1e-3)
@@ -170,3 +174,72 @@ def test_the_stage_dp_counts_what_a_recomputing_stage_rebuilds_and_stays_a_relax
     assert compared
     with pytest.raises(al.MemoryBudgetError, match=r"after 1 stage search\(es\)"):
         dp_plan(0.3 * peak)
+
+
+def test_the_memory_lean_problem_is_the_fastest_one_restricted():
+    """A layer's memory-lean problem (every parameter split finest) is derived from its
+    fastest one with no second build; it solves to what building it with the pin gives."""
+    step = _step(al.Auto(num_micro_batches=2))
+    parts = step.parts(*_args())
+    planner = PlannerPool().planner(parts, FOUR_H100, Solver.HIGHS, 60.0, {}, None,
+                                    False, False)
+    fwd = parts.forward
+    bounds = layer_node_ranges(forward_layers(fwd), len(fwd.graph.nodes))
+    progs = list({p.structure: p for p in (planner.program(a, b) for a, b in bounds)}.values())
+    compared = 0
+    for prog in progs:
+        for shape in [(2, 2), (4, 1), (1, 4)]:
+            mesh = LogicalMesh(shape, ("x", "y"))
+            fast = planner.build(prog, mesh, None, False)
+            lean = planner.build(prog, mesh, None, True, fast)
+            pin = most_split_params(prog.fb.graph, mesh)
+            options = intra_op.StageOptions(pin=pin, param_memory_factor=2.0 + planner.opt_ratio)
+            pinned = intra_op.build_stage(prog.fb.graph, mesh, FOUR_H100, options)
+            got, want = lean.solve(), pinned.solve()
+            assert got.objective_s == pytest.approx(want.objective_s, rel=1e-9)
+            assert got.objective_s >= fast.solve().objective_s * (1 - 1e-9)
+            spec = dict(zip(prog.fb.graph.inputs, got.stage.input_specs))
+            assert all(pin(prog.fb.graph.tensors[t], spec[t]) for t in prog.fb_params)
+            compared += len(fast.problem.nodes) > len(lean.problem.nodes) or \
+                sum(n.num_strategies for n in fast.problem.nodes) > \
+                sum(n.num_strategies for n in lean.problem.nodes)
+    assert compared      # somewhere the restriction removed strategies
+
+
+def test_a_count_whose_memory_floors_fit_no_pipeline_is_refused_before_any_ilp(monkeypatch):
+    """The stage DP on each layer's memory floor (everything split over its stage's
+    devices) is a relaxation of the DP on its plans: where it finds no pipeline, the count
+    is refused with no intra-op problem built; the floor options never hold more than the
+    plans' options of the same layers and submesh."""
+    parts = _step(al.Auto(num_micro_batches=4)).parts(*_args())
+    calls = []
+    real_dp = pipeline.solve_stage_dp
+
+    def recording_dp(L, N, M, m, options, budget, max_stages=None):
+        calls.append(options)
+        return real_dp(L, N, M, m, options, budget, max_stages=max_stages)
+
+    monkeypatch.setattr(pipeline, "solve_stage_dp", recording_dp)
+
+    def plan(budget):
+        method = al.Auto(num_micro_batches=4, schedule="1f1b", memory_budget_bytes=budget)
+        return make_pipeline_plan(parts, method, FOUR_H100, parts.outer.fingerprint,
+                                  parts.outer.input_avals)
+
+    peak = plan(None).peak_memory_bytes
+    floor_options, dp_options = calls[0], calls[1]
+    L = len(forward_layers(parts.forward))
+    for sub in submesh_shapes(1, 4):
+        for a in range(L):
+            for b in range(a, L):
+                for held in (1, 2, 4):
+                    least = min(o.param_bytes + o.act_bytes * held
+                                for o in dp_options(a, b, sub))
+                    floor = min(o.param_bytes + o.act_bytes * held
+                                for o in floor_options(a, b, sub))
+                    assert floor <= least * (1 + 1e-12)
+    built = []
+    monkeypatch.setattr(intra_op, "build_stage", lambda *a, **k: built.append(1))
+    with pytest.raises(al.MemoryBudgetError, match="no intra-op problem was solved"):
+        plan(0.01 * peak)
+    assert not built

@@ -389,7 +389,7 @@ class PipelinePlanner:
                                         split_batch=self.split_batch)
         elif lean:
             base = fastest or self.build(prog, mesh, None, False)
-            built = base.restricted(_most_split_params(fb, mesh))
+            built = base.restricted(most_split_params(fb, mesh))
             # Its build time: the restriction, and the fastest problem's where built for it.
             return built if fastest else \
                 dataclasses.replace(built, build_s=built.build_s + base.build_s)
@@ -475,7 +475,7 @@ def _fit_stage(planner: PipelinePlanner, prog: StageProgram, cost: StageCost,
     return planner.cost_of(prog, mesh, res), est
 
 
-def _most_split_params(graph, mesh: LogicalMesh):
+def most_split_params(graph, mesh: LogicalMesh):
     """An input pin allowing each parameter only its finest splits over `mesh`."""
     axes = [(n, mesh.axis_size(n)) for n in mesh.sharded_axes()]
     finest: dict[int, int] = {}
@@ -500,7 +500,7 @@ def _moved(cost: StageCost, offset: int) -> StageCost:
 
 def _params_finest(prog: StageProgram, cost: StageCost, mesh: LogicalMesh) -> bool:
     """Whether a plan already splits every parameter as finely as the mesh allows."""
-    pin = _most_split_params(prog.fb.graph, mesh)
+    pin = most_split_params(prog.fb.graph, mesh)
     spec = dict(zip(prog.fb.graph.inputs, cost.result.stage.input_specs))
     return all(pin(prog.fb.graph.tensors[t], spec[t]) for t in prog.fb_params)
 
