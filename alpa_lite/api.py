@@ -24,7 +24,7 @@ from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import PlanMismatchError, PlanningError
 from alpa_lite.ir.batch import batch_size
 from alpa_lite.ir.graph import Role
-from alpa_lite.ir.step_parts import StepParts, split_step
+from alpa_lite.ir.step_parts import SplitTraces, StepParts, split_step
 from alpa_lite.ir.tracing import TracedStep, trace
 from alpa_lite.plan import Choice, Plan
 from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, method_to_json
@@ -62,6 +62,7 @@ class ParallelizedStep:
         self.fixed_plan = fixed_plan
         self._traces: dict[Any, TracedStep] = {}
         self._parts: dict[Any, StepParts] = {}
+        self._split_traces: dict[Any, SplitTraces] = {}
         self._plans: dict[Any, Plan] = {}
         self._executables: dict[Any, Executable] = {}
         functools.update_wrapper(self, fn)
@@ -122,8 +123,10 @@ class ParallelizedStep:
         m = num_micro_batches or self._micro_batches()
         key = (self._signature(args), m)
         if key not in self._parts:
+            # The counts of one signature share the traces that do not depend on the count.
+            traces = self._split_traces.setdefault(key[0], SplitTraces())
             self._parts[key] = split_step(self.fn, args, self.resolve_batch_argnums(len(args)),
-                                          m)
+                                          m, traces)
         return self._parts[key]
 
     def plan(self, *args, cluster: Cluster | None = None,
@@ -349,6 +352,7 @@ class ParallelizedStep:
         # method, so the dicts themselves are shared.
         other._traces = self._traces
         other._parts = self._parts
+        other._split_traces = self._split_traces
         return other
 
     def with_plan(self, plan: Plan) -> "ParallelizedStep":

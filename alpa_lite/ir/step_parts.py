@@ -93,16 +93,29 @@ class StepParts:
         return self.outer.graph.nodes[self.grad_node].outputs[0]
 
 
+@dataclasses.dataclass(eq=False)
+class SplitTraces:
+    """What `split_step` traces alike for every micro-batch count of one step and argument
+    signature, kept so that a search over counts traces it once: the step with its gradient
+    call captured, and the loss function at the full batch (by roles and draws)."""
+    outer: TracedStep | None = None
+    full: dict = dataclasses.field(default_factory=dict)
+
+
 def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
-               num_micro_batches: int) -> StepParts:
-    """Traces `fn(*args)` for pipelining (see the module docstring).
+               num_micro_batches: int, traces: SplitTraces | None = None) -> StepParts:
+    """Traces `fn(*args)` for pipelining (see the module docstring). `traces`: the traces
+    shared with the other counts of the same step and arguments (filled here).
 
     Raises:
       PlanningError: the step has no `al.value_and_grad` / `al.grad` call or more than one,
         its operands are computed inside the step, `has_aux` is used, the batch does not
         divide into micro-batches, or micro-batching would change the loss.
     """
-    outer = trace(fn, args, batch_argnums, capture=True)
+    traces = traces if traces is not None else SplitTraces()
+    if traces.outer is None:
+        traces.outer = trace(fn, args, batch_argnums, capture=True)
+    outer = traces.outer
     g = outer.graph
     calls = [n for n in g.nodes if n.primitive == GRAD_CALL]
     if not calls:
@@ -132,7 +145,7 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
     full, keys = None, set()
     if any(r is Role.BATCH and (is_key(dtype_name(a.dtype)) or a.dtype == np.uint32)
            for r, a in zip(full_roles, full_avals)):
-        full = trace_flat(_flat(call), full_avals, full_roles, full_names)
+        full = _full_trace(traces, call, full_avals, full_roles, full_names)
         fg = full.graph
         keys = {fg.inputs.index(t) for t in random_key_inputs(fg.nodes, fg.tensors, fg.inputs)}
     batch_size({name: tuple(a.shape) for pos, (a, r, name) in
@@ -175,11 +188,11 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
     draws: tuple[bool, ...] = ()
     if m > 1:
         if full is None or keys:    # (with keys the roles differ from the probe's)
-            full = trace_flat(_flat(call), full_avals, roles, names)
+            full = _full_trace(traces, call, full_avals, roles, names)
         draws = _batch_draws(forward, full, m)
         if any(draws):
             forward = trace_flat(_flat(call), avals, roles, names, draws)
-            full = trace_flat(_flat(call), full_avals, roles, names, draws)
+            full = _full_trace(traces, call, full_avals, roles, names, draws)
             batch_inputs.append(True)
         else:
             draws = ()
@@ -193,6 +206,14 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
                      forward=sink_batch_free_work(forward),
                      batch_inputs=tuple(batch_inputs), num_micro_batches=m, loss_scale=scale,
                      aux=aux, batch_draws=draws)
+
+
+def _full_trace(traces: SplitTraces, call, avals, roles, names, draws=()) -> TracedStep:
+    """The loss function traced at the full batch, once per roles and draws."""
+    key = (tuple(roles), tuple(draws))
+    if key not in traces.full:
+        traces.full[key] = trace_flat(_flat(call), avals, roles, names, draws)
+    return traces.full[key]
 
 
 def _batch_draws(micro: TracedStep, full: TracedStep, m: int) -> tuple[bool, ...]:
