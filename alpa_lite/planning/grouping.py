@@ -91,13 +91,19 @@ def build_groups(graph: OpGraph, units: Units, follow, cache) -> tuple[list[Grou
 
     def attach(u: int, target: int, pick) -> None:
         g = groups[group_of[target]]
-        choice = []
-        for s in range(len(g.cost)):
-            idx, extra = pick(g.choice[target][s])
-            choice.append(idx)
-            g.cost[s] += units.strategies[u][idx].cost_s + extra
+        # The follower's choice depends only on the target's strategy: pick once per
+        # strategy the group uses, then spread over the group's strategies.
+        target_choice = np.asarray(g.choice[target], dtype=np.int64)
+        n = len(units.strategies[target])
+        idx_of = np.zeros(n, dtype=np.int64)
+        cost_of = np.zeros(n)
+        for ts in np.unique(target_choice).tolist():
+            idx, extra = pick(ts)
+            idx_of[ts] = idx
+            cost_of[ts] = units.strategies[u][idx].cost_s + extra
+        g.cost += cost_of[target_choice]
         g.members.append(u)
-        g.choice[u] = choice
+        g.choice[u] = idx_of[target_choice].tolist()
         group_of[u] = group_of[target]
 
     def resolved(target: int) -> bool:
