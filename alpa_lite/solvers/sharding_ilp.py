@@ -858,8 +858,7 @@ def _drop_dominated_strategies(work: _Work, v: int) -> bool:
         return False
     delta = costs[:, None] - costs[None, :]  # (k, k): δ(s, t) under construction
     for w in work.neighbours[v]:
-        matrix = work.edge_from(v, w)  # (k, n_w)
-        delta = delta + (matrix[:, None, :] - matrix[None, :, :]).min(axis=2)
+        delta = delta + _least_row_differences(work.edge_from(v, w))
     dominated = delta >= 0
     if work.memory_matters(v):
         memory = work.memory[v]
@@ -873,6 +872,25 @@ def _drop_dominated_strategies(work: _Work, v: int) -> bool:
             keep[s] = False
     _restrict_strategies(work, v, keep)
     return True
+
+
+_DEDUPLICATE_MIN_ENTRIES = 4096
+"""Below this many (row, row, column) triples the difference table is cheaper than finding
+identical rows and columns first."""
+
+
+def _least_row_differences(matrix: np.ndarray) -> np.ndarray:
+    """min_j (M[s, j] − M[t, j]) for every pair of rows (s, t). Identical rows give identical
+    answers and identical columns the same candidates, so on a large table each is computed
+    once: edge tables have one row and one column per sharding *class*, often far fewer
+    than strategies."""
+    k, n = matrix.shape
+    if k * k * n < _DEDUPLICATE_MIN_ENTRIES:
+        return (matrix[:, None, :] - matrix[None, :, :]).min(axis=2)
+    rows, row_of = _classes(matrix, 0)
+    cols, _ = _classes(rows, 1)
+    least = (cols[:, None, :] - cols[None, :, :]).min(axis=2)
+    return least[np.ix_(row_of, row_of)]
 
 
 def _restrict_strategies(work: _Work, v: int, keep: np.ndarray) -> None:
@@ -941,9 +959,7 @@ def _count_class_pairs(matrix: np.ndarray | None) -> int:
     """Edge variables an edge needs: (distinct rows) × (distinct columns), 0 if all zero."""
     if matrix is None or not matrix.any():
         return 0
-    rows = np.unique(matrix, axis=0).shape[0]
-    cols = np.unique(matrix, axis=1).shape[1]
-    return rows * cols
+    return _classes(matrix, 0)[0].shape[0] * _classes(matrix, 1)[0].shape[1]
 
 
 def _recover_choices(problem: ShardingProblem, work: _Work, picked: dict[int, int]) -> tuple:
