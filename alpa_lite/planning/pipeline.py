@@ -22,7 +22,12 @@ stage that overshoots sends the stage DP back with its budget lowered by the ove
 (`_auto_stages`). Layer solutions are memoised by structure within a plan, shared by the
 candidates of one search (`PlannerPool`) and kept on disk across plans (`planning.cache`).
 A Manual layout's memory floor (`manual_memory_floor`) lets a search skip layouts that
-cannot fit without solving any ILP.
+cannot fit without solving any ILP; likewise an `Auto` count whose layers, each split
+over all the devices of its stage, fit no pipeline is refused before any ILP
+(`_refuse_below_floor`: the stage DP on those floors, a relaxation of the DP on the plans).
+A layer's memory-lean problem is its fastest one with the parameters' strategies cut to
+their finest splits (`BuiltStage.restricted`), solved in the same worker task: one build
+per layer and mesh.
 """
 
 from __future__ import annotations
