@@ -334,6 +334,7 @@ class PipelinePlanner:
                         self.done += 1
                     else:
                         self._record(k, solved)
+            report(self.progress, ILPS, self.done, self.queued)
 
         map_forked(layer_task, tasks, record)
 
