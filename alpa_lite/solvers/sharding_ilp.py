@@ -89,7 +89,9 @@ import dataclasses
 import enum
 import heapq
 import math
+import os
 import re
+import sys
 import tempfile
 import time
 import warnings
@@ -1183,6 +1185,32 @@ def _run_solver(model: _Model, solver: Solver, time_limit_s: float) -> tuple[str
     return status, values
 
 
+_HIGHS_BANNER_SHOWN = False
+
+
+def _new_highs():
+    """A HiGHS instance. HiGHS prints its banner to stdout when a process makes its first
+    one, before any option can silence it: once in the planner and once more in each
+    forked planning worker, a screenful per plan. The first one a process makes is made
+    with its stdout (the file descriptor, which HiGHS writes to) pointed at /dev/null; a
+    worker forked after that inherits both HiGHS' flag and this one."""
+    global _HIGHS_BANNER_SHOWN
+    import highspy
+    if _HIGHS_BANNER_SHOWN:
+        return highspy.Highs()
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+    _HIGHS_BANNER_SHOWN = True
+    return h
+
+
 def _run_highs(model: _Model, time_limit_s: float):
     """HiGHS through highspy, the matrix passed whole (PuLP's HiGHS interface adds one
     column and one row at a time from Python, which costs as much as the solve here).
@@ -1217,7 +1245,7 @@ def _run_highs(model: _Model, time_limit_s: float):
     lp.a_matrix_.start_ = model.row_starts
     lp.a_matrix_.index_ = model.index
     lp.a_matrix_.value_ = model.value
-    h = highspy.Highs()
+    h = _new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("presolve", "off")
     h.setOptionValue("time_limit", float(time_limit_s))
@@ -1230,7 +1258,7 @@ def _run_highs(model: _Model, time_limit_s: float):
             return "optimal", values
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                        for i in model.integral]
-    h = highspy.Highs()
+    h = _new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", MIP_RELATIVE_GAP)
     h.setOptionValue("mip_abs_gap", 0.0)
