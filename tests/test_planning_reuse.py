@@ -243,3 +243,43 @@ def test_a_count_whose_memory_floors_fit_no_pipeline_is_refused_before_any_ilp(m
     with pytest.raises(al.MemoryBudgetError, match="no intra-op problem was solved"):
         plan(0.01 * peak)
     assert not built
+
+
+def test_the_count_walk_goes_past_a_local_optimum_that_recomputes():
+    """Step time over micro-batch counts is not unimodal where memory forces remat: the
+    walk goes on to larger counts while its best plan recomputes (GPT-6.7B on 16 V100s:
+    m=128 with remat, then 256 slower, then 512 without remat the fastest), and stops at
+    the first plan that recomputes nowhere."""
+    real = _step(al.Manual(dp=2, tp=1, pp=2, num_micro_batches=2)).plan(
+        *_args(), cluster=FOUR_H100)
+    # m -> (step time, remat): None where the memory budget refuses the count.
+    table = {128: (57.08, True), 256: (58.81, True), 512: (56.23, False),
+             1024: (60.94, False)}
+    planned = []
+
+    def plan_pipelined(m):
+        planned.append(m)
+        if m not in table:
+            raise al.MemoryBudgetError(f"{m} micro-batches do not fit", 2.0)
+        t, remat = table[m]
+        return dataclasses.replace(
+            real, step_time=dataclasses.replace(
+                real.step_time, lines=(dataclasses.replace(real.step_time.lines[0], seconds=t),)),
+            stages=tuple(dataclasses.replace(st, remat=remat) for st in real.stages),
+            pipeline=dataclasses.replace(real.pipeline, num_micro_batches=m))
+
+    def refuse(*_):
+        raise al.MemoryBudgetError("does not fit", 2.0)
+
+    space = SearchSpace(plan_single=refuse, plan_pipelined=plan_pipelined,
+                        plan_textbook=refuse, textbook_floor=lambda layout: 2.0,
+                        num_devices=4, devices_per_node=4, budget_bytes=1.0)
+    plan = search_auto(al.Auto(), 1024, space)
+    assert plan.pipeline.num_micro_batches == 512
+    assert plan.step_time_s == 56.23
+    assert 512 in planned and 1024 in planned        # the neighbour of the new optimum
+    # Without remat at 128 the walk stops there, as before.
+    table.update({128: (57.08, False), 256: (58.81, False)})
+    planned.clear()
+    assert search_auto(al.Auto(), 1024, space).pipeline.num_micro_batches == 128
+    assert 512 not in planned
