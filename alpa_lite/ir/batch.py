@@ -9,7 +9,7 @@ from typing import Mapping
 
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.graph import OpGraph, Role
-from alpa_lite.ir.op_rules import dim_labels
+from alpa_lite.ir.op_rules import node_labels
 
 
 class Combine(enum.Enum):
@@ -74,10 +74,7 @@ def batch_dims(graph: OpGraph, seeds: Mapping[int, int | None] | None = None) ->
         d = seeds.get(t.id, 0)
         if t.shape and d is not None:
             found[t.id] = d
-    for node in graph.nodes:
-        ins = [None if t is None else graph.tensors[t].shape for t in node.inputs]
-        labels = dim_labels(node.primitive, node.params, ins,
-                            [graph.tensors[t].shape for t in node.outputs])
+    for node, labels in zip(graph.nodes, node_labels(graph)):
         if labels is None:
             continue
         label = next((labels.operands[p][found[t]] for p, t in enumerate(node.inputs)

@@ -21,7 +21,9 @@ A primitive without a rule gets `None` from `dim_labels`, and the planner replic
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import weakref
 import math
 from typing import Any, Mapping, Sequence
 
@@ -63,7 +65,7 @@ class DimLabels:
     fixed: frozenset[int] = frozenset()
     reduce_kind: str | None = "sum"
 
-    @property
+    @functools.cached_property
     def reduced(self) -> frozenset[int]:
         out = {l for o in self.outputs for l in o}
         return frozenset(l for op in self.operands if op for l in op if l not in out)
@@ -99,6 +101,22 @@ def dim_labels(primitive: str, params: Mapping[str, Any], in_shapes: Sequence[tu
     if fn is None:
         return None
     return fn(L, primitive, params, list(in_shapes), list(out_shapes))
+
+
+# `node_labels` by graph: the planners read every node's labels on every mesh.
+_NODE_LABELS: "weakref.WeakKeyDictionary[Any, tuple[DimLabels | None, ...]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def node_labels(graph) -> tuple[DimLabels | None, ...]:
+    """`dim_labels` of each node of an `OpGraph`, by node id (computed once per graph)."""
+    if graph not in _NODE_LABELS:
+        shapes = [t.shape for t in graph.tensors]
+        _NODE_LABELS[graph] = tuple(
+            dim_labels(n.primitive, n.params, [None if t is None else shapes[t]
+                                               for t in n.inputs],
+                       [shapes[t] for t in n.outputs]) for n in graph.nodes)
+    return _NODE_LABELS[graph]
 
 
 def _elementwise(L, prim, params, ins, outs):

@@ -89,21 +89,30 @@ def build_groups(graph: OpGraph, units: Units, follow, cache) -> tuple[list[Grou
             groups.append(Group(u, [u], {u: list(range(n))},
                                  np.array([s.cost_s for s in units.strategies[u]])))
 
-    def attach(u: int, target: int, pick) -> None:
+    # attach's result by everything it depends on: repeated layers attach the same
+    # follower to the same target under the same group choices, once per layer.
+    attached: dict[tuple, tuple[list[int], np.ndarray]] = {}
+
+    def attach(u: int, target: int, pick, link: tuple) -> None:
         g = groups[group_of[target]]
-        # The follower's choice depends only on the target's strategy: pick once per
-        # strategy the group uses, then spread over the group's strategies.
         target_choice = np.asarray(g.choice[target], dtype=np.int64)
-        n = len(units.strategies[target])
-        idx_of = np.zeros(n, dtype=np.int64)
-        cost_of = np.zeros(n)
-        for ts in np.unique(target_choice).tolist():
-            idx, extra = pick(ts)
-            idx_of[ts] = idx
-            cost_of[ts] = units.strategies[u][idx].cost_s + extra
-        g.cost += cost_of[target_choice]
+        key = (link, id(units.strategies[u]), id(units.strategies[target]),
+               target_choice.tobytes())
+        if key not in attached:
+            # The follower's choice depends only on the target's strategy: pick once per
+            # strategy the group uses, then spread over the group's strategies.
+            n = len(units.strategies[target])
+            idx_of = np.zeros(n, dtype=np.int64)
+            cost_of = np.zeros(n)
+            for ts in np.unique(target_choice).tolist():
+                idx, extra = pick(ts)
+                idx_of[ts] = idx
+                cost_of[ts] = units.strategies[u][idx].cost_s + extra
+            attached[key] = (idx_of[target_choice].tolist(), cost_of[target_choice])
+        choice, cost = attached[key]
+        g.cost += cost
         g.members.append(u)
-        g.choice[u] = idx_of[target_choice].tolist()
+        g.choice[u] = list(choice)
         group_of[u] = group_of[target]
 
     def resolved(target: int) -> bool:
@@ -148,7 +157,7 @@ def build_groups(graph: OpGraph, units: Units, follow, cache) -> tuple[list[Grou
                         shared_memo[key] = _follow_choice(units.strategies[u], mine, spec, cost)
                     memo[ts] = shared_memo[key]
                 return memo[ts]
-            attach(u, target, pick)
+            attach(u, target, pick, (kind, pos, k, t.shape, t.dtype))
             progress = True
         pending = rest
         if not pending or not progress:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from typing import Mapping
 
 import numpy as np
@@ -104,8 +105,18 @@ class StageResult:
     node_compute_s: tuple[float, ...] = ()
 
 
-def _live_at_peak(graph: OpGraph) -> set[int]:
+# `_live_at_peak` by graph: it does not depend on the mesh.
+_LIVE: "weakref.WeakKeyDictionary[OpGraph, frozenset[int]]" = weakref.WeakKeyDictionary()
+
+
+def _live_at_peak(graph: OpGraph) -> frozenset[int]:
     """The tensors live where the unsharded program holds the most bytes."""
+    if graph not in _LIVE:
+        _LIVE[graph] = frozenset(_find_live_at_peak(graph))
+    return _LIVE[graph]
+
+
+def _find_live_at_peak(graph: OpGraph) -> set[int]:
     last_use = {}
     for node in graph.nodes:
         for t in node.inputs:
@@ -205,6 +216,9 @@ def build_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster,
 
     # Memory per group strategy: per-device bytes of its members' tensors live at the peak.
     live = _live_at_peak(graph)
+    # Bytes per device of a unit's k-th result under each of its strategies, by strategy
+    # list (repeated layers share them).
+    shard_bytes: dict[tuple, np.ndarray] = {}
     for g in groups:
         g.memory = np.zeros(len(g.cost))
         for u in g.members:
@@ -213,10 +227,12 @@ def build_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster,
                 if tid not in live:
                     continue
                 t = graph.tensors[tid]
-                for s in range(len(g.cost)):
-                    spec = units.strategies[u][g.choice[u][s]].out_specs[k]
-                    factor = param_memory_factor if t.role is Role.PARAM else 1.0
-                    g.memory[s] += factor * t.size * itemsize(t.dtype) / spec.num_shards(mesh)
+                factor = param_memory_factor if t.role is Role.PARAM else 1.0
+                key = (id(units.strategies[u]), k, factor * t.size * itemsize(t.dtype))
+                if key not in shard_bytes:
+                    shard_bytes[key] = np.array([key[2] / st.out_specs[k].num_shards(mesh)
+                                                 for st in units.strategies[u]])
+                g.memory += shard_bytes[key][g.choice[u]]
 
     # Edges: every tensor read that is not a follow link.
     edges: dict[tuple[int, int], np.ndarray] = {}
@@ -238,6 +254,7 @@ def build_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster,
         return columns[key]
 
     matrices: dict[tuple, np.ndarray | None] = {}
+    inside: dict[tuple, np.ndarray] = {}     # the same for a link inside one group
 
     def cost_matrix(t: Tensor, src: tuple, dst: tuple) -> np.ndarray | None:
         key = (id(src), id(dst), t.shape, t.dtype)
@@ -255,8 +272,11 @@ def build_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster,
         src = column(pu, gp, "out", k)
         dst = column(cu, gc, side, pos)
         if gp is gc:
-            for s_, (a, b) in enumerate(zip(src, dst)):
-                gp.cost[s_] += reshard_cost(units, t, a, b, cache)
+            key = (id(src), id(dst), t.shape, t.dtype)
+            if key not in inside:
+                inside[key] = np.array([reshard_cost(units, t, a, b, cache)
+                                        for a, b in zip(src, dst)])
+            gp.cost += inside[key]
             return
         m = cost_matrix(t, src, dst)
         if m is not None:

@@ -21,7 +21,7 @@ from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import MemoryBudgetError, PlanningError
 from alpa_lite.ir.batch import batch_dims, batch_size
 from alpa_lite.ir.graph import OpGraph, Role, Tensor
-from alpa_lite.ir.op_rules import dim_labels
+from alpa_lite.ir.op_rules import node_labels
 from alpa_lite.ir.tracing import TracedStep
 from alpa_lite.plan import Alternative, Explanation, Plan, PlanningStats
 from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, SolverChoice
@@ -31,6 +31,7 @@ from alpa_lite.planning.gradient_sync import single_stage_sync
 from alpa_lite.planning.intra_op import StageOptions, StageResult, build_stage, plan_stage
 from alpa_lite.planning.memory import memory_floor, solve_within_memory
 from alpa_lite.planning.step_time import single_stage_step_time
+from alpa_lite.planning.strategies import NodePin
 from alpa_lite.planning.workers import map_forked
 from alpa_lite.progress import ILPS, Progress, report
 from alpa_lite.solvers.sharding_ilp import Solver
@@ -89,10 +90,7 @@ def megatron_weight_dims(graph: OpGraph, tp: int) -> MegatronLayout:
             pdim = None
         assigned[param] = pdim
 
-    for node in graph.nodes:
-        ins = [None if t is None else graph.tensors[t].shape for t in node.inputs]
-        outs = [graph.tensors[t].shape for t in node.outputs]
-        labels = dim_labels(node.primitive, node.params, ins, outs)
+    for node, labels in zip(graph.nodes, node_labels(graph)):
         if labels is None:
             continue
         # Views of parameters (casts, transposes, broadcasts) keep pointing at the param.
@@ -120,7 +118,7 @@ def megatron_weight_dims(graph: OpGraph, tp: int) -> MegatronLayout:
             out_labels = set(labels.outputs[0])
             if carried is None:
                 free = [d for d, l in enumerate(plab) if l in out_labels
-                        and not any(l in (labels.operands[q] or ()) for q in range(len(ins))
+                        and not any(l in (labels.operands[q] or ()) for q in range(len(node.inputs))
                                     if q != pos)]
                 if free and param not in assigned:
                     assign(param, dmap[free[-1]])
@@ -165,7 +163,11 @@ def manual_pins(graph: OpGraph, dp: int, tp: int, zero: bool,
     # the optimizer update) is whole over dp, except under ZeRO, where it may split.
     bdims = batch_dims(graph, seeds)
 
-    def node_pin(node, strategy) -> bool:
+    def signature(node) -> tuple:
+        return (tuple(read_spec.get((node.id, pos)) for pos in range(len(node.inputs))),
+                tuple(bdims.get(t) for t in node.outputs))
+
+    def allows(node, strategy) -> bool:
         # Matmuls read their weights as stored: no weight is resharded in the forward or
         # backward pass, as in Megatron-LM.
         for pos in range(len(node.inputs)):
@@ -193,7 +195,7 @@ def manual_pins(graph: OpGraph, dp: int, tp: int, zero: bool,
                                                   and spec.dims[d][0] == "tp")), None)
             return dp_dim == first
         return dp_dim is None
-    return pin, node_pin
+    return pin, NodePin(allows, signature)
 
 
 def _check_batch(graph: OpGraph, dp: int) -> None:

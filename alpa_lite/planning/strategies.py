@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable
+import weakref
+from typing import Callable, Hashable
 
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.cost_models.collectives import CollectiveKind
@@ -74,10 +75,22 @@ class Strategy:
 # A pin restricts the strategies of an input tensor: called with the tensor and a candidate
 # spec, it says whether the spec is allowed.
 InputPin = Callable[[Tensor, TensorSpec], bool]
-# A node pin restricts the strategies of an operator the same way (if it admits none of
-# them, the operator keeps all: a pin is a preference of the method, not a constraint the
-# shapes can always meet).
-NodePin = Callable[[Node, Strategy], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePin:
+    """Restricts the strategies of operators, as `InputPin` does inputs' (if it admits none
+    of an operator's, the operator keeps all: a pin is a preference of the method, not a
+    constraint the shapes can always meet).
+
+    Attributes:
+      allows: whether the operator may take the strategy.
+      signature: what of the operator `allows` reads besides the strategy: two operators
+        with equal signatures and one shared strategy list keep the same strategies, so
+        repeated layers are filtered once.
+    """
+    allows: Callable[[Node, Strategy], bool]
+    signature: Callable[[Node], Hashable]
 
 
 class Units:
@@ -107,23 +120,20 @@ class Units:
         # Repeated layers repeat their operators: enumerate each distinct operator once and
         # share the list (the follow-choice memo below keys on the shared list too).
         by_key: dict[tuple, tuple[list[Strategy], str | None]] = {} if memo is None else memo
-        filtered: dict[tuple, list[Strategy]] = {}
-        for node in graph.nodes:
-            # The fused traffic depends on the node's neighbours, so it is part of the key.
-            key = (structural_key(graph, node), self.fusion.bytes_accessed[node.id],
-                   self.fusion.kernels[node.id])
+        filtered: dict[tuple, list[Strategy]] = {}     # by strategy list and signature
+        for node, key in zip(graph.nodes, _node_keys(graph, self.fusion)):
             if key not in by_key:
                 by_key[key] = self._node_strategies(node)
             strategies, unsharded = by_key[key]
             if unsharded is not None:
                 self.unsharded.add(unsharded)
             if node_pin is not None:
-                kept = tuple(i for i, st in enumerate(strategies) if node_pin(node, st))
-                if kept and len(kept) < len(strategies):
-                    fkey = (id(strategies), kept)
-                    if fkey not in filtered:
-                        filtered[fkey] = [strategies[i] for i in kept]
-                    strategies = filtered[fkey]
+                fkey = (id(strategies), node_pin.signature(node))
+                if fkey not in filtered:
+                    kept = [st for st in strategies if node_pin.allows(node, st)]
+                    filtered[fkey] = kept if kept and len(kept) < len(strategies) \
+                        else strategies
+                strategies = filtered[fkey]
             self.strategies.append(strategies)
 
     def producer_unit(self, tid: int) -> int:
@@ -241,6 +251,24 @@ def node_compute_time(node: Node, fusion: FusionResult, device: DeviceSpec, dtyp
     kernels = 1 if is_standalone(node) else fusion.kernels[node.id]
     return compute_time(flops / shards, fusion.bytes_accessed[node.id] / shards, device, dtype,
                         node.primitive in MATMUL, kernels)
+
+
+# Node keys by graph and fusion: a graph is planned on several meshes, and its keys do not
+# depend on the mesh.
+_KEYS: "weakref.WeakKeyDictionary[OpGraph, dict[int, tuple[FusionResult, list[tuple]]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _node_keys(graph: OpGraph, fusion: FusionResult) -> list[tuple]:
+    """Per node, its structural key with its fused traffic (which depends on the node's
+    neighbours, so it is part of what makes two nodes' strategies equal)."""
+    by_fusion = _KEYS.setdefault(graph, {})
+    entry = by_fusion.get(id(fusion))
+    if entry is None or entry[0] is not fusion:
+        keys = [(structural_key(graph, node), fusion.bytes_accessed[node.id],
+                 fusion.kernels[node.id]) for node in graph.nodes]
+        entry = by_fusion[id(fusion)] = (fusion, keys)
+    return entry[1]
 
 
 def structural_key(graph: OpGraph, node: Node) -> tuple:
