@@ -172,6 +172,8 @@ class StageOption:
         for field, unit in (("latency_s", "seconds"), ("param_bytes", "bytes"),
                             ("act_bytes", "bytes")):
             value = getattr(self, field)
+            if type(value) is float and 0.0 <= value < math.inf:
+                continue      # the common case, checked fast: the DP makes millions
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"StageOption.{field} must be a number ({unit}), got {value!r}")
             value = float(value)
@@ -181,7 +183,8 @@ class StageOption:
                     "leave an impossible option out instead of giving it an infinite cost"
                 )
             object.__setattr__(self, field, value)
-        object.__setattr__(self, "label", str(self.label))
+        if type(self.label) is not str:
+            object.__setattr__(self, "label", str(self.label))
 
     def memory_bytes(self, micro_batches_in_flight: int) -> float:
         """Per-device memory with this many micro-batches' activations kept."""
