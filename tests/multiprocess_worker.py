@@ -4,15 +4,20 @@
     python tests/multiprocess_worker.py restore CKPT_DIR OUT_DIR gpt:pp gpt:tp ...
     python tests/multiprocess_worker.py forever CKPT_DIR
     python tests/multiprocess_worker.py calibrate OUT_DIR
+    python tests/multiprocess_worker.py train OUT_DIR ... -- restore ... -- calibrate OUT_DIR
 
-Each joins the job with `alpa_lite.runtime.distributed.initialize()`.
+Each joins the job with `alpa_lite.runtime.distributed.initialize()`. Commands joined by
+"--" run one after the other in the same job (the tests start one job for train, restore
+and calibrate: every job start imports JAX and joins the processes again).
 - train: for each `example:method[:local]`, trains the example's tiny config for
   `_reference.STEPS` SGD-momentum steps with that method and writes the losses, the final
   parameters (fetched to every process) and the processes each stage ran on to
   OUT_DIR/<example>_<method>_p<process>.npz. With `:local` each process passes only the
   batch rows its devices hold (`process_rows`), as a multi-host job loads data.
 - restore: restores the (params, opt_state) checkpoint in CKPT_DIR onto the method's plan
-  and writes the next step's loss and the restored leaves' process sets.
+  and writes the next step's loss and the restored leaves' process sets. After a `train`
+  of the same example and method in this job it restores onto the step that trained (its
+  plan made and compiled already), as a job resuming from a checkpoint does.
 - calibrate: `alpa_lite.tools.calibrate.calibrate(quick=True)`; each process writes the cluster
   it got to OUT_DIR/cluster_p<process>.json.
 - forever: trains the MLP with DataParallel, saving a checkpoint after step 2, and prints
@@ -73,8 +78,14 @@ def process_local_batch(step, args):
         shardings, batch)
 
 
+# The step each `train` of (example, method) with the global batch ran, for `restore`.
+TRAINED = {}
+
+
 def train(example: str, method: str, out: pathlib.Path, feed: str = "global") -> None:
     step, args = setup(example, method)
+    if feed == "global":
+        TRAINED[example, method] = step
     if feed == "local":
         args = (*args[:2], process_local_batch(step, args))
         method = f"{method}_local"
@@ -90,6 +101,7 @@ def train(example: str, method: str, out: pathlib.Path, feed: str = "global") ->
 
 def restore(ckpt: pathlib.Path, out: pathlib.Path, example: str, method: str) -> None:
     step, (params, opt_state, batch) = setup(example, method)
+    step = TRAINED.get((example, method), step)
     params, opt_state = al.checkpoint.restore(ckpt, (params, opt_state), step=step,
                                               batch=batch)
     where = [processes_of(x) for x in jax.tree.leaves(params)]
@@ -110,7 +122,14 @@ def forever(ckpt: pathlib.Path) -> None:
 
 
 def main() -> None:
-    mode, rest = sys.argv[1], sys.argv[2:]
+    argv = sys.argv[1:]
+    while "--" in argv:
+        run(argv[0], argv[1:argv.index("--")])
+        argv = argv[argv.index("--") + 1:]
+    run(argv[0], argv[1:])
+
+
+def run(mode: str, rest: list[str]) -> None:
     if mode == "train":
         for item in rest[1:]:
             example, method, *feed = item.split(":")

@@ -25,18 +25,34 @@ CONFIGS = [f"{example}:{method}" for example in ("mlp", "gpt")
 JOB_TIMEOUT_S = 150
 
 
-def _run_job(*args) -> None:
+def _run_job(*args, timeout_s=JOB_TIMEOUT_S) -> None:
     results = launch([sys.executable, WORKER, *map(str, args)], num_processes=2,
-                     cpu_devices=4, timeout_s=JOB_TIMEOUT_S)
+                     cpu_devices=4, timeout_s=timeout_s)
     failed = [r for r in results if not r.ok]
     assert not failed, "\n".join(f"{r.describe()}\n{r.output[-3000:]}" for r in failed)
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def job(tmp_path_factory):
+    """One job for the three checks below (each job start imports JAX and joins the
+    processes): calibrate, train every config, restore a checkpoint of one process's run
+    onto the plans of two. Returns (output folder, the uninterrupted next loss after the
+    checkpoint).
+
+    Calibration goes first, in the fresh job, as `alpa-lite calibrate` runs: after the
+    training, single collective timings of its link phase took 20-40 s instead of 0.2 s
+    on the 2-core test machine, and once a fit gave up on them."""
     out = tmp_path_factory.mktemp("multiprocess")
-    _run_job("train", out, *CONFIGS)
-    return out
+    ckpt = out / "ckpt"
+    next_loss = _dp_checkpoint("gpt", ckpt, steps=2)
+    _run_job("calibrate", out, "--", "train", out, *CONFIGS,
+             "--", "restore", ckpt, out, "gpt:pp", "gpt:tp", timeout_s=2 * JOB_TIMEOUT_S)
+    return out, next_loss
+
+
+@pytest.fixture(scope="module")
+def trained(job):
+    return job[0]
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -71,13 +87,13 @@ def _dp_checkpoint(example, directory, steps):
     return float(loss)
 
 
-def test_checkpoint_from_one_process_restores_onto_two(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    next_loss = _dp_checkpoint("gpt", ckpt, steps=2)
-    _run_job("restore", ckpt, tmp_path, "gpt:pp", "gpt:tp")
+def test_checkpoint_from_one_process_restores_onto_two(job):
+    # The job restored the checkpoint onto the gpt:pp and gpt:tp steps it trained (as a
+    # job resuming from a checkpoint does), after the training above.
+    out, next_loss = job
     for method in ("pp", "tp"):
         for proc in (0, 1):
-            got = np.load(tmp_path / f"restore_gpt_{method}_p{proc}.npz")
+            got = np.load(out / f"restore_gpt_{method}_p{proc}.npz")
             np.testing.assert_allclose(got["loss"], next_loss, rtol=1e-5)
             where = set(got["where"])
             # Each leaf was read straight onto the target plan's devices.
@@ -114,9 +130,8 @@ def test_killed_process_stops_the_survivor(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
 
 
-def test_calibration_across_processes(tmp_path):
-    _run_job("calibrate", tmp_path)
-    texts = [(tmp_path / f"cluster_p{i}.json").read_text() for i in (0, 1)]
+def test_calibration_across_processes(job):
+    texts = [(job[0] / f"cluster_p{i}.json").read_text() for i in (0, 1)]
     # Process 0's timings are shared, so both processes plan with the same cluster.
     assert texts[0] == texts[1]
     cluster = al.Cluster.from_json(texts[0])
