@@ -283,3 +283,41 @@ def test_the_count_walk_goes_past_a_local_optimum_that_recomputes():
     planned.clear()
     assert search_auto(al.Auto(), 1024, space).pipeline.num_micro_batches == 128
     assert 512 not in planned
+
+
+def test_the_count_walk_steps_over_refused_counts_and_plans_every_larger_micro_batch():
+    """Kernel efficiency is not monotone in the micro-batch size (Wide-ResNet-2B on 8
+    V100s: 6.67 s at m=24, 8.42 s at 32, 7.53 s at 48, and 64 refused by its group norm):
+    the walk steps over a count the model refuses, and plans every count with larger
+    micro-batches than its optimum's down to the first one over the budget."""
+    real = _step(al.Manual(dp=2, tp=1, pp=2, num_micro_batches=2)).plan(
+        *_args(), cluster=FOUR_H100)
+    # m -> step time; "refused": the model refuses the micro-batch size; missing: over
+    # the memory budget. Batch 1536, micro-batches of a multiple of 16 images.
+    table = {24: 6.67, 32: 8.42, 48: 7.53, 96: 7.9, 64: "refused", 128: "refused",
+             192: "refused", 256: "refused", 384: "refused", 512: "refused",
+             768: "refused", 1536: "refused"}
+    planned = []
+
+    def plan_pipelined(m):
+        planned.append(m)
+        if m not in table:
+            raise al.MemoryBudgetError(f"{m} micro-batches do not fit", 2.0)
+        if table[m] == "refused":
+            raise ValueError(f"a micro-batch of {1536 // m} is not a multiple of 16")
+        return dataclasses.replace(
+            real, step_time=dataclasses.replace(
+                real.step_time,
+                lines=(dataclasses.replace(real.step_time.lines[0], seconds=table[m]),)),
+            pipeline=dataclasses.replace(real.pipeline, num_micro_batches=m))
+
+    def refuse(*_):
+        raise al.MemoryBudgetError("does not fit", 2.0)
+
+    space = SearchSpace(plan_single=refuse, plan_pipelined=plan_pipelined,
+                        plan_textbook=refuse, textbook_floor=lambda layout: 2.0,
+                        num_devices=8, devices_per_node=8, budget_bytes=1.0)
+    plan = search_auto(al.Auto(), 1536, space)
+    assert plan.pipeline.num_micro_batches == 24 and plan.step_time_s == 6.67
+    assert 96 in planned          # past the refused 64, the walk sees the other side
+    assert 16 in planned and 12 not in planned     # down to the first count over budget
