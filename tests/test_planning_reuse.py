@@ -288,12 +288,13 @@ def test_the_count_walk_goes_past_a_local_optimum_that_recomputes():
 def test_the_count_walk_steps_over_refused_counts_and_plans_every_larger_micro_batch():
     """Kernel efficiency is not monotone in the micro-batch size (Wide-ResNet-2B on 8
     V100s: 6.67 s at m=24, 8.42 s at 32, 7.53 s at 48, and 64 refused by its group norm):
-    the walk steps over a count the model refuses, and plans every count with larger
-    micro-batches than its optimum's down to the first one over the budget."""
+    the walk steps over a count the model refuses, and where its optimum is one stage it
+    plans every count with larger micro-batches down to the first one over the budget."""
     real = _step(al.Manual(dp=2, tp=1, pp=2, num_micro_batches=2)).plan(
         *_args(), cluster=FOUR_H100)
     # m -> step time; "refused": the model refuses the micro-batch size; missing: over
     # the memory budget. Batch 1536, micro-batches of a multiple of 16 images.
+    stages = real.stages[:1]      # one stage: gradient accumulation, no bubble
     table = {24: 6.67, 32: 8.42, 48: 7.53, 96: 7.9, 64: "refused", 128: "refused",
              192: "refused", 256: "refused", 384: "refused", 512: "refused",
              768: "refused", 1536: "refused"}
@@ -309,7 +310,8 @@ def test_the_count_walk_steps_over_refused_counts_and_plans_every_larger_micro_b
             real, step_time=dataclasses.replace(
                 real.step_time,
                 lines=(dataclasses.replace(real.step_time.lines[0], seconds=table[m]),)),
-            pipeline=dataclasses.replace(real.pipeline, num_micro_batches=m))
+            pipeline=dataclasses.replace(real.pipeline, num_micro_batches=m),
+            stages=stages)
 
     def refuse(*_):
         raise al.MemoryBudgetError("does not fit", 2.0)
@@ -321,3 +323,18 @@ def test_the_count_walk_steps_over_refused_counts_and_plans_every_larger_micro_b
     assert plan.pipeline.num_micro_batches == 24 and plan.step_time_s == 6.67
     assert 96 in planned          # past the refused 64, the walk sees the other side
     assert 16 in planned and 12 not in planned     # down to the first count over budget
+    # Wide-ResNet-250M on one V100: the middle count (48) is over budget and the bisection
+    # for the smallest count that fits meets refused counts (256, 512, ...): 96 is found.
+    table.clear()
+    table.update({96: 8.88} | {m: "refused" for m in (64, 128, 192, 256, 384, 512, 768,
+                                                      1536)})
+    planned.clear()
+    plan = search_auto(al.Auto(), 1536, space)
+    assert plan.pipeline.num_micro_batches == 96
+    # With two stages, fewer micro-batches add bubble: the walk's optimum stands.
+    table.clear()
+    table.update({24: 6.67, 32: 8.42, 48: 7.53, 96: 7.9, 64: "refused"})
+    planned.clear()
+    stages = real.stages
+    assert search_auto(al.Auto(), 1536, space).pipeline.num_micro_batches == 48
+    assert 24 not in planned

@@ -22,8 +22,9 @@ recomputes somewhere, the walk goes on to the next larger count, until a plan re
 nowhere or the counts end. Nor is it unimodal in kernel efficiency, which depends on how
 the micro-batch divides over the devices (Wide-ResNet-2B on 8 V100s: 6.67 s at m=24,
 8.42 s at 32, 7.53 s at 48): so the counts with fewer, larger micro-batches than the
-optimum's are all planned, down to the first over the budget (memory only grows as m
-falls; a count refused for memory costs a trace and the floor DP, no ILP). A count the
+optimum's are all planned where the optimum is one stage (no bubble to grow), down to
+the first over the budget (memory only grows as m falls; a count refused for memory
+costs a trace and the floor DP, no ILP). A count the
 model refuses (a group norm whose groups do not divide the micro-batch) is stepped over,
 not a wall. Every count planned is in the plan's explanation (kind "plan"), so a user
 sees what was weighed; `Auto(num_micro_batches=m)` plans exactly m.
@@ -206,37 +207,15 @@ def _walk(counts: tuple[int, ...], pipeline: Callable[[int], float],
     if not counts:
         return ""
     n = len(counts)
-    i = n // 2
-    if math.isinf(pipeline(counts[i])) and not pipelined[counts[i]].memory:
-        # Refused, not over budget: the whole batch as one micro-batch says whether the
-        # step pipelines at all (a model may refuse small micro-batches only).
-        if math.isinf(pipeline(counts[0])):
-            first = pipelined[counts[0]]
-            return "" if first.memory else first.error
-        i = 0
-    if math.isinf(pipeline(counts[i])):
-        lo, hi = i + 1, n - 1
-        if lo > hi:
-            return ""
-        # The smallest count that fits (memory falls as m grows), supposing the largest
-        # does; it is planned last, and only if every smaller one was over.
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if math.isinf(pipeline(counts[mid])):
-                lo = mid + 1
-            else:
-                hi = mid
-        if math.isinf(pipeline(counts[lo])):
-            return ""
-        i = lo
 
     def hole(j: int) -> bool:
         # A count the model itself refuses (a group norm whose groups do not divide the
-        # micro-batch, say) is not a point of the curve: the walk steps over it.
+        # micro-batch, say) is not a point of the curve: the search steps over it.
         c = pipelined.get(counts[j])
         return c is not None and c.plan is None and not c.memory
 
     def neighbour(j: int, step: int) -> int | None:
+        """The next count from j in direction step that the model accepts (planned)."""
         j += step
         while 0 <= j < n:
             pipeline(counts[j])
@@ -244,6 +223,34 @@ def _walk(counts: tuple[int, ...], pipeline: Callable[[int], float],
                 return j
             j += step
         return None
+
+    i = n // 2
+    pipeline(counts[i])
+    if hole(i):
+        # The whole batch as one micro-batch says whether the step pipelines at all (a
+        # model may refuse some micro-batch sizes only).
+        pipeline(counts[0])
+        if hole(0):
+            return pipelined[counts[0]].error
+        i = 0
+    if math.isinf(pipeline(counts[i])):
+        # Over the budget: the smallest count that fits (memory falls as m grows), by
+        # bisection over the counts the model accepts.
+        lo, hi, found = i + 1, n - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            k = mid                        # the first count from mid on the model accepts
+            while k <= hi and not math.isfinite(pipeline(counts[k])) and hole(k):
+                k += 1
+            if k > hi:
+                hi = mid - 1
+            elif math.isinf(pipeline(counts[k])):
+                lo = k + 1
+            else:
+                found, hi = k, mid - 1
+        if found is None:
+            return ""
+        i = found
 
     while True:
         while True:            # to the faster neighbour, while there is one
@@ -268,14 +275,20 @@ def _walk(counts: tuple[int, ...], pipeline: Callable[[int], float],
         j = larger[0]
         if pipeline(counts[j]) < here:
             i = j
-    # Fewer, larger micro-batches than the optimum's, down to the first count over the
-    # budget (memory only grows as m falls): kernel efficiency is not monotone in the
-    # micro-batch size (a per-device batch of 6 runs a V100's fp16 tensor cores worse
-    # than 4 or 8), so a local optimum can hide a faster count behind a slower one
-    # (Wide-ResNet-2B on 8 V100s: 7.53 s at m=48, 8.42 s at 32, 6.67 s at 24).
-    j = neighbour(i, -1)
-    while j is not None and pipelined[counts[j]].plan is not None:
-        j = neighbour(j, -1)
+    # Where the optimum is one stage (gradient accumulation: no bubble), fewer, larger
+    # micro-batches change the step only through kernel efficiency and per-micro-batch
+    # overheads, and efficiency is not monotone in the micro-batch size (a per-device
+    # batch of 6 runs a V100's fp16 tensor cores worse than 4 or 8): a local optimum can
+    # hide a faster count behind a slower one (Wide-ResNet-2B on 8 V100s: 7.53 s at
+    # m=48, 8.42 s at 32, 6.67 s at 24). So every count with larger micro-batches is
+    # planned, down to the first over the budget (memory only grows as m falls). With
+    # several stages each micro-batch fewer adds bubble, and the walk's optimum stands
+    # (planning every such count cost Wide-ResNet-4B on 16 V100s 3.5x its time).
+    best = min((c for c in pipelined.values() if c.plan is not None), key=lambda c: c.time_s)
+    if len(best.plan.stages) == 1:
+        j = neighbour(counts.index(best.micro_batches), -1)
+        while j is not None and pipelined[counts[j]].plan is not None:
+            j = neighbour(j, -1)
     return ""
 
 
