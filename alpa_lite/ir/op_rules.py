@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import weakref
 import math
+import weakref
 from typing import Any, Mapping, Sequence
 
 import jax

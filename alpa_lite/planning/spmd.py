@@ -118,8 +118,8 @@ def megatron_weight_dims(graph: OpGraph, tp: int) -> MegatronLayout:
             out_labels = set(labels.outputs[0])
             if carried is None:
                 free = [d for d, l in enumerate(plab) if l in out_labels
-                        and not any(l in (labels.operands[q] or ()) for q in range(len(node.inputs))
-                                    if q != pos)]
+                        and not any(l in (labels.operands[q] or ())
+                                    for q in range(len(node.inputs)) if q != pos)]
                 if free and param not in assigned:
                     assign(param, dmap[free[-1]])
                 pd = assigned.get(param)
