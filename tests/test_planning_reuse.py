@@ -245,6 +245,33 @@ def test_a_count_whose_memory_floors_fit_no_pipeline_is_refused_before_any_ilp(m
     assert not built
 
 
+def _fake_count_search(real, outcome, num_devices: int):
+    """A search space whose pipeline of m micro-batches is `real` with the step time and
+    stages `outcome(m)` gives, or the exception it returns raised (the single stage and
+    the textbook layouts never fit); and the list of the counts it planned, in order."""
+    planned = []
+
+    def plan_pipelined(m):
+        planned.append(m)
+        got = outcome(m)
+        if isinstance(got, Exception):
+            raise got
+        t, stages = got
+        return dataclasses.replace(
+            real, step_time=dataclasses.replace(
+                real.step_time, lines=(dataclasses.replace(real.step_time.lines[0], seconds=t),)),
+            stages=stages, pipeline=dataclasses.replace(real.pipeline, num_micro_batches=m))
+
+    def refuse(*_):
+        raise al.MemoryBudgetError("does not fit", 2.0)
+
+    space = SearchSpace(plan_single=refuse, plan_pipelined=plan_pipelined,
+                        plan_textbook=refuse, textbook_floor=lambda layout: 2.0,
+                        num_devices=num_devices, devices_per_node=num_devices,
+                        budget_bytes=1.0)
+    return space, planned
+
+
 def test_the_count_walk_goes_past_a_local_optimum_that_recomputes():
     """Step time over micro-batch counts is not unimodal where memory forces remat: the
     walk goes on to larger counts while its best plan recomputes (GPT-6.7B on 16 V100s:
@@ -252,28 +279,17 @@ def test_the_count_walk_goes_past_a_local_optimum_that_recomputes():
     the first plan that recomputes nowhere."""
     real = _step(al.Manual(dp=2, tp=1, pp=2, num_micro_batches=2)).plan(
         *_args(), cluster=FOUR_H100)
-    # m -> (step time, remat): None where the memory budget refuses the count.
+    # m -> (step time, remat); missing: the memory budget refuses the count.
     table = {128: (57.08, True), 256: (58.81, True), 512: (56.23, False),
              1024: (60.94, False)}
-    planned = []
 
-    def plan_pipelined(m):
-        planned.append(m)
+    def outcome(m):
         if m not in table:
-            raise al.MemoryBudgetError(f"{m} micro-batches do not fit", 2.0)
+            return al.MemoryBudgetError(f"{m} micro-batches do not fit", 2.0)
         t, remat = table[m]
-        return dataclasses.replace(
-            real, step_time=dataclasses.replace(
-                real.step_time, lines=(dataclasses.replace(real.step_time.lines[0], seconds=t),)),
-            stages=tuple(dataclasses.replace(st, remat=remat) for st in real.stages),
-            pipeline=dataclasses.replace(real.pipeline, num_micro_batches=m))
+        return t, tuple(dataclasses.replace(st, remat=remat) for st in real.stages)
 
-    def refuse(*_):
-        raise al.MemoryBudgetError("does not fit", 2.0)
-
-    space = SearchSpace(plan_single=refuse, plan_pipelined=plan_pipelined,
-                        plan_textbook=refuse, textbook_floor=lambda layout: 2.0,
-                        num_devices=4, devices_per_node=4, budget_bytes=1.0)
+    space, planned = _fake_count_search(real, outcome, num_devices=4)
     plan = search_auto(al.Auto(), 1024, space)
     assert plan.pipeline.num_micro_batches == 512
     assert plan.step_time_s == 56.23
@@ -298,27 +314,15 @@ def test_the_count_walk_steps_over_refused_counts_and_plans_every_larger_micro_b
     table = {24: 6.67, 32: 8.42, 48: 7.53, 96: 7.9, 64: "refused", 128: "refused",
              192: "refused", 256: "refused", 384: "refused", 512: "refused",
              768: "refused", 1536: "refused"}
-    planned = []
 
-    def plan_pipelined(m):
-        planned.append(m)
+    def outcome(m):
         if m not in table:
-            raise al.MemoryBudgetError(f"{m} micro-batches do not fit", 2.0)
+            return al.MemoryBudgetError(f"{m} micro-batches do not fit", 2.0)
         if table[m] == "refused":
-            raise ValueError(f"a micro-batch of {1536 // m} is not a multiple of 16")
-        return dataclasses.replace(
-            real, step_time=dataclasses.replace(
-                real.step_time,
-                lines=(dataclasses.replace(real.step_time.lines[0], seconds=table[m]),)),
-            pipeline=dataclasses.replace(real.pipeline, num_micro_batches=m),
-            stages=stages)
+            return ValueError(f"a micro-batch of {1536 // m} is not a multiple of 16")
+        return table[m], stages
 
-    def refuse(*_):
-        raise al.MemoryBudgetError("does not fit", 2.0)
-
-    space = SearchSpace(plan_single=refuse, plan_pipelined=plan_pipelined,
-                        plan_textbook=refuse, textbook_floor=lambda layout: 2.0,
-                        num_devices=8, devices_per_node=8, budget_bytes=1.0)
+    space, planned = _fake_count_search(real, outcome, num_devices=8)
     plan = search_auto(al.Auto(), 1536, space)
     assert plan.pipeline.num_micro_batches == 24 and plan.step_time_s == 6.67
     assert 96 in planned          # past the refused 64, the walk sees the other side
