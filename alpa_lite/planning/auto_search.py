@@ -208,29 +208,26 @@ def _walk(counts: tuple[int, ...], pipeline: Callable[[int], float],
         return ""
     n = len(counts)
 
-    def hole(j: int) -> bool:
-        # A count the model itself refuses (a group norm whose groups do not divide the
-        # micro-batch, say) is not a point of the curve: the search steps over it.
-        c = pipelined.get(counts[j])
-        return c is not None and c.plan is None and not c.memory
+    def accepted(j: int) -> bool:
+        """Plans counts[j]; False where the model itself refuses it (a group norm whose
+        groups do not divide the micro-batch, say): such a count is not a point of the
+        curve, and the search steps over it. Over the budget is accepted (and inf)."""
+        pipeline(counts[j])
+        c = pipelined[counts[j]]
+        return c.plan is not None or c.memory
 
     def neighbour(j: int, step: int) -> int | None:
-        """The next count from j in direction step that the model accepts (planned)."""
+        """The next count from j in direction step that the model accepts, planned."""
         j += step
-        while 0 <= j < n:
-            pipeline(counts[j])
-            if not hole(j):
-                return j
+        while 0 <= j < n and not accepted(j):
             j += step
-        return None
+        return j if 0 <= j < n else None
 
     i = n // 2
-    pipeline(counts[i])
-    if hole(i):
+    if not accepted(i):
         # The whole batch as one micro-batch says whether the step pipelines at all (a
         # model may refuse some micro-batch sizes only).
-        pipeline(counts[0])
-        if hole(0):
+        if not accepted(0):
             return pipelined[counts[0]].error
         i = 0
     if math.isinf(pipeline(counts[i])):
@@ -240,7 +237,7 @@ def _walk(counts: tuple[int, ...], pipeline: Callable[[int], float],
         while lo <= hi:
             mid = (lo + hi) // 2
             k = mid                        # the first count from mid on the model accepts
-            while k <= hi and not math.isfinite(pipeline(counts[k])) and hole(k):
+            while k <= hi and not accepted(k):
                 k += 1
             if k > hi:
                 hi = mid - 1
