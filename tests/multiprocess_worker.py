@@ -4,11 +4,11 @@
     python tests/multiprocess_worker.py restore CKPT_DIR OUT_DIR gpt:pp gpt:tp ...
     python tests/multiprocess_worker.py forever CKPT_DIR
     python tests/multiprocess_worker.py calibrate OUT_DIR
-    python tests/multiprocess_worker.py train OUT_DIR ... -- restore ... -- calibrate OUT_DIR
+    python tests/multiprocess_worker.py calibrate OUT_DIR -- train OUT_DIR ... -- restore ...
 
 Each joins the job with `alpa_lite.runtime.distributed.initialize()`. Commands joined by
-"--" run one after the other in the same job (the tests start one job for train, restore
-and calibrate: every job start imports JAX and joins the processes again).
+"--" run one after the other in the same job (the tests start one job for calibrate, train
+and restore: every job start imports JAX and joins the processes again).
 - train: for each `example:method[:local]`, trains the example's tiny config for
   `_reference.STEPS` SGD-momentum steps with that method and writes the losses, the final
   parameters (fetched to every process) and the processes each stage ran on to
