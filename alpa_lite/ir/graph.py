@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
+import weakref
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import jax
 import numpy as np
@@ -148,3 +150,19 @@ class OpGraph:
         for n in self.nodes:
             counts[n.primitive] = counts.get(n.primitive, 0) + 1
         return dict(sorted(counts.items()))
+
+
+_R = TypeVar("_R")
+
+
+def per_graph(fn: Callable[["OpGraph"], _R]) -> Callable[["OpGraph"], _R]:
+    """`fn(graph)` computed once per graph and kept while the graph lives: an `OpGraph` is
+    immutable, and the planners ask the same graph-wide facts on every mesh they try."""
+    known: "weakref.WeakKeyDictionary[OpGraph, _R]" = weakref.WeakKeyDictionary()
+
+    @functools.wraps(fn)
+    def cached(graph: "OpGraph") -> _R:
+        if graph not in known:
+            known[graph] = fn(graph)
+        return known[graph]
+    return cached

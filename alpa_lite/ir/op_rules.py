@@ -24,11 +24,12 @@ import dataclasses
 import functools
 import itertools
 import math
-import weakref
 from typing import Any, Mapping, Sequence
 
 import jax
 from jax.extend import core as jex
+
+from alpa_lite.ir.graph import OpGraph, per_graph
 
 # Ops that combine operands of one shape element by element (rank-0 operands broadcast).
 ELEMENTWISE = frozenset("""
@@ -103,20 +104,13 @@ def dim_labels(primitive: str, params: Mapping[str, Any], in_shapes: Sequence[tu
     return fn(L, primitive, params, list(in_shapes), list(out_shapes))
 
 
-# `node_labels` by graph: the planners read every node's labels on every mesh.
-_NODE_LABELS: "weakref.WeakKeyDictionary[Any, tuple[DimLabels | None, ...]]" = \
-    weakref.WeakKeyDictionary()
-
-
-def node_labels(graph) -> tuple[DimLabels | None, ...]:
-    """`dim_labels` of each node of an `OpGraph`, by node id (computed once per graph)."""
-    if graph not in _NODE_LABELS:
-        shapes = [t.shape for t in graph.tensors]
-        _NODE_LABELS[graph] = tuple(
-            dim_labels(n.primitive, n.params, [None if t is None else shapes[t]
-                                               for t in n.inputs],
-                       [shapes[t] for t in n.outputs]) for n in graph.nodes)
-    return _NODE_LABELS[graph]
+@per_graph
+def node_labels(graph: OpGraph) -> tuple[DimLabels | None, ...]:
+    """`dim_labels` of each node of the graph, by node id (computed once per graph)."""
+    shapes = [t.shape for t in graph.tensors]
+    return tuple(dim_labels(n.primitive, n.params,
+                            [None if t is None else shapes[t] for t in n.inputs],
+                            [shapes[t] for t in n.outputs]) for n in graph.nodes)
 
 
 def _elementwise(L, prim, params, ins, outs):

@@ -30,7 +30,7 @@ import numpy as np
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.batch import AuxRule, batch_dims, batch_size
 from alpa_lite.ir.batch_draws import check_drawable
-from alpa_lite.ir.graph import OpGraph, Role, as_dtype, dtype_name, is_key
+from alpa_lite.ir.graph import OpGraph, Role, as_dtype, dtype_name, is_key, per_graph
 from alpa_lite.ir.microbatch import check_microbatching, micro_batch_rules
 from alpa_lite.ir.replay import replay
 from alpa_lite.ir.tracing import (
@@ -417,20 +417,15 @@ class StageProgram:
         return self.fb.graph.outputs[len(self.outputs) + len(self.params):]
 
 
-_PARAM_DEPENDENT: "weakref.WeakKeyDictionary[OpGraph, frozenset[int]]" = \
-    weakref.WeakKeyDictionary()
-
-
+@per_graph
 def _param_dependent(forward: OpGraph) -> frozenset[int]:
     """Tensors computed from a parameter (they need a gradient); once per forward graph,
     however many ranges of it become stages."""
-    if forward not in _PARAM_DEPENDENT:
-        dep = {t.id for t in forward.tensors if t.role is Role.PARAM}
-        for node in forward.nodes:
-            if any(t in dep for t in node.inputs if t is not None):
-                dep.update(node.outputs)
-        _PARAM_DEPENDENT[forward] = frozenset(dep)
-    return _PARAM_DEPENDENT[forward]
+    dep = {t.id for t in forward.tensors if t.role is Role.PARAM}
+    for node in forward.nodes:
+        if any(t in dep for t in node.inputs if t is not None):
+            dep.update(node.outputs)
+    return frozenset(dep)
 
 
 def _is_float(dtype: str) -> bool:

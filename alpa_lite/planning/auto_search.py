@@ -24,10 +24,10 @@ the micro-batch divides over the devices (Wide-ResNet-2B on 8 V100s: 6.67 s at m
 8.42 s at 32, 7.53 s at 48): so the counts with fewer, larger micro-batches than the
 optimum's are all planned where the optimum is one stage (no bubble to grow), down to
 the first over the budget (memory only grows as m falls; a count refused for memory
-costs a trace and the floor DP, no ILP). A count the
-model refuses (a group norm whose groups do not divide the micro-batch) is stepped over,
-not a wall. Every count planned is in the plan's explanation (kind "plan"), so a user
-sees what was weighed; `Auto(num_micro_batches=m)` plans exactly m.
+costs a trace and the floor DP, no ILP). A count the model refuses (a group norm whose
+groups do not divide the micro-batch) is stepped over, not a wall. Every count planned is
+in the plan's explanation (kind "plan"), so a user sees what was weighed;
+`Auto(num_micro_batches=m)` plans exactly m.
 """
 
 from __future__ import annotations
@@ -281,8 +281,7 @@ def _walk(counts: tuple[int, ...], pipeline: Callable[[int], float],
     # planned, down to the first over the budget (memory only grows as m falls). With
     # several stages each micro-batch fewer adds bubble, and the walk's optimum stands
     # (planning every such count cost Wide-ResNet-4B on 16 V100s 3.5x its time).
-    best = min((c for c in pipelined.values() if c.plan is not None), key=lambda c: c.time_s)
-    if len(best.plan.stages) == 1:
+    if len(best.plan.stages) == 1:       # the loop's best: nothing was planned since
         j = neighbour(counts.index(best.micro_batches), -1)
         while j is not None and pipelined[counts[j]].plan is not None:
             j = neighbour(j, -1)

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from typing import Mapping
 
 import numpy as np
 
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import MemoryBudgetError, PlanningError
-from alpa_lite.ir.graph import OpGraph, Role, Tensor
+from alpa_lite.ir.graph import OpGraph, Role, Tensor, per_graph
 from alpa_lite.plan import CollectiveSummary, StagePlan
 from alpa_lite.plan.sharding import (
     CollectiveOp,
@@ -105,18 +104,10 @@ class StageResult:
     node_compute_s: tuple[float, ...] = ()
 
 
-# `_live_at_peak` by graph: it does not depend on the mesh.
-_LIVE: "weakref.WeakKeyDictionary[OpGraph, frozenset[int]]" = weakref.WeakKeyDictionary()
-
-
+@per_graph
 def _live_at_peak(graph: OpGraph) -> frozenset[int]:
-    """The tensors live where the unsharded program holds the most bytes."""
-    if graph not in _LIVE:
-        _LIVE[graph] = frozenset(_find_live_at_peak(graph))
-    return _LIVE[graph]
-
-
-def _find_live_at_peak(graph: OpGraph) -> set[int]:
+    """The tensors live where the unsharded program holds the most bytes (once per graph:
+    it does not depend on the mesh)."""
     last_use = {}
     for node in graph.nodes:
         for t in node.inputs:
@@ -142,7 +133,7 @@ def _find_live_at_peak(graph: OpGraph) -> set[int]:
             if last_use.get(t, node.id) <= node.id and t in live and t not in persistent:
                 live.discard(t)
                 cur -= nbytes[t]
-    return best_set
+    return frozenset(best_set)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import weakref
 from typing import Callable, Hashable
 
 from alpa_lite.cost_models.cluster import Cluster
@@ -25,7 +24,7 @@ from alpa_lite.cost_models.collectives import CollectiveKind
 from alpa_lite.cost_models.compute import compute_time
 from alpa_lite.cost_models.devices import DeviceSpec
 from alpa_lite.errors import PlanningError
-from alpa_lite.ir.graph import Node, OpGraph, Role, Tensor
+from alpa_lite.ir.graph import Node, OpGraph, Role, Tensor, per_graph
 from alpa_lite.ir.op_rules import DimLabels, dim_labels, enumerate_assignments
 from alpa_lite.plan.sharding import (
     CollectiveOp,
@@ -121,7 +120,10 @@ class Units:
         # share the list (the follow-choice memo below keys on the shared list too).
         by_key: dict[tuple, tuple[list[Strategy], str | None]] = {} if memo is None else memo
         filtered: dict[tuple, list[Strategy]] = {}     # by strategy list and signature
-        for node, key in zip(graph.nodes, _node_keys(graph, self.fusion)):
+        # The fused traffic depends on the node's neighbours, so it is part of the key.
+        fused = self.fusion
+        for node, skey in zip(graph.nodes, structural_keys(graph)):
+            key = (skey, fused.bytes_accessed[node.id], fused.kernels[node.id])
             if key not in by_key:
                 by_key[key] = self._node_strategies(node)
             strategies, unsharded = by_key[key]
@@ -253,22 +255,11 @@ def node_compute_time(node: Node, fusion: FusionResult, device: DeviceSpec, dtyp
                         node.primitive in MATMUL, kernels)
 
 
-# Node keys by graph and fusion: a graph is planned on several meshes, and its keys do not
-# depend on the mesh.
-_KEYS: "weakref.WeakKeyDictionary[OpGraph, dict[int, tuple[FusionResult, list[tuple]]]]" = \
-    weakref.WeakKeyDictionary()
-
-
-def _node_keys(graph: OpGraph, fusion: FusionResult) -> list[tuple]:
-    """Per node, its structural key with its fused traffic (which depends on the node's
-    neighbours, so it is part of what makes two nodes' strategies equal)."""
-    by_fusion = _KEYS.setdefault(graph, {})
-    entry = by_fusion.get(id(fusion))
-    if entry is None or entry[0] is not fusion:
-        keys = [(structural_key(graph, node), fusion.bytes_accessed[node.id],
-                 fusion.kernels[node.id]) for node in graph.nodes]
-        entry = by_fusion[id(fusion)] = (fusion, keys)
-    return entry[1]
+@per_graph
+def structural_keys(graph: OpGraph) -> tuple[tuple, ...]:
+    """`structural_key` of every node, by node id (once per graph: the planners build its
+    strategies on every mesh)."""
+    return tuple(structural_key(graph, node) for node in graph.nodes)
 
 
 def structural_key(graph: OpGraph, node: Node) -> tuple:
