@@ -237,24 +237,26 @@ class ParallelizedStep:
                                           outer.input_avals, outer_names_of(outer),
                                           progress=progress, pool=pool)
 
+        budget = self.method.memory_budget_bytes or cluster.device.memory_bytes
         space = SearchSpace(
             plan_single=lambda: make_plan(traced, self.method, cluster, tensor_names=names,
                                           progress=progress),
             plan_pipelined=lambda m: pipeline_plan(
                 dataclasses.replace(self.method, num_micro_batches=m)),
             plan_textbook=pipeline_plan,
-            textbook_floor=self._layout_floor(args, cluster, pool),
+            textbook_floor=self._layout_floor(args, cluster, pool, budget),
             num_devices=cluster.num_devices, devices_per_node=cluster.devices_per_node,
-            budget_bytes=self.method.memory_budget_bytes or cluster.device.memory_bytes)
+            budget_bytes=budget)
         return search_auto(self.method, _batch_size(traced), space, progress)
 
-    def _layout_floor(self, args, cluster: Cluster, pool: PlannerPool):
+    def _layout_floor(self, args, cluster: Cluster, pool: PlannerPool, budget: float):
         """The least peak memory per device of any plan of a Manual layout of this step
-        (`planning.pipeline.manual_memory_floor`), for searches to skip what cannot fit."""
+        (`planning.pipeline.manual_memory_floor`), for searches to skip what cannot fit
+        `budget` (a floor over it may be that of the layout's first stage found over)."""
         def floor(layout: Manual) -> float:
             parts = self.parts(*args, num_micro_batches=layout.num_micro_batches)
             return manual_memory_floor(parts, layout, cluster, outer_names_of(parts.outer),
-                                       pool)
+                                       pool, stop_above=budget)
         return floor
 
     def _weigh_hybrids(self, args, traced: TracedStep, cluster: Cluster,
@@ -278,7 +280,7 @@ class ParallelizedStep:
         layouts = [] if batch is None else hybrid_layouts(
             cluster.num_devices, cluster.devices_per_node, batch)
         best, outcomes = best_hybrid(layouts, plan_layout, budget, batch or 0,
-                                     self._layout_floor(args, cluster, pool))
+                                     self._layout_floor(args, cluster, pool, budget))
         base_fits = pure_dp.peak_memory_bytes <= budget
         label = ("data parallel, " + pure_dp.compression.description
                  if pure_dp.compression is not None else "uncompressed " + (

@@ -73,6 +73,9 @@ def test_a_manual_layouts_floor_is_below_its_stages_peaks(layout):
     # Not a trivial bound: the fullest stage's parameters, gradients and optimizer state
     # split tp ways are in it.
     assert floor > 0.2 * plan.peak_memory_bytes
+    # Asked only whether it is over a budget, the walk may end early, but never below it.
+    over = manual_memory_floor(step.parts(*args), method, FOUR_H100, stop_above=floor / 2)
+    assert floor / 2 < over <= floor
 
 
 def test_the_search_plans_no_textbook_layout_whose_floor_is_over_budget():

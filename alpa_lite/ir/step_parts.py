@@ -66,6 +66,8 @@ class StepParts:
     # micro-batch from the rows it holds (`ir.batch_draws`); with any, `forward`'s last
     # input is the micro-batch's row indices (a batch leaf the runtime makes).
     batch_draws: tuple[bool, ...] = ()
+    # The traces this split shares with the other counts of its step (`SplitTraces`).
+    traces: SplitTraces | None = dataclasses.field(default=None, repr=False)
 
     @property
     def apply_nodes(self) -> tuple[int, ...]:
@@ -97,9 +99,31 @@ class StepParts:
 class SplitTraces:
     """What `split_step` traces alike for every micro-batch count of one step and argument
     signature, kept so that a search over counts traces it once: the step with its gradient
-    call captured, and the loss function at the full batch (by roles and draws)."""
+    call captured, and the loss function per batch size it is traced at (`loss_trace`).
+
+    A batch size recurs across counts: the full batch is the micro-batch of one count, and
+    a data-parallel replica's share of a micro-batch of m (`local_forward`) is the
+    micro-batch of a larger count. Traced once, they are one forward graph, and so share
+    their stage programs too (`stage_program` keeps those per forward graph)."""
     outer: TracedStep | None = None
-    full: dict = dataclasses.field(default_factory=dict)
+    loss: dict = dataclasses.field(default_factory=dict)     # key -> the traced loss
+    sunk: dict = dataclasses.field(default_factory=dict)     # key -> it, batch-free work sunk
+
+
+def loss_trace(traces: SplitTraces, call, avals, roles, names, draws=(),
+               sunk: bool = False) -> TracedStep:
+    """The captured loss function traced at `avals` (with `roles`, `names` and batch
+    `draws`, as `trace_flat` takes them), once per `traces`; with `sunk`, through
+    `sink_batch_free_work` (the form pipelines cut into layers)."""
+    key = (tuple((tuple(a.shape), dtype_name(a.dtype)) for a in avals), tuple(roles),
+           tuple(names), tuple(draws))
+    if key not in traces.loss:
+        traces.loss[key] = trace_flat(_flat(call), avals, roles, names, draws)
+    if not sunk:
+        return traces.loss[key]
+    if key not in traces.sunk:
+        traces.sunk[key] = sink_batch_free_work(traces.loss[key])
+    return traces.sunk[key]
 
 
 def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
@@ -145,7 +169,7 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
     full, keys = None, set()
     if any(r is Role.BATCH and (is_key(dtype_name(a.dtype)) or a.dtype == np.uint32)
            for r, a in zip(full_roles, full_avals)):
-        full = _full_trace(traces, call, full_avals, full_roles, full_names)
+        full = loss_trace(traces, call, full_avals, full_roles, full_names)
         fg = full.graph
         keys = {fg.inputs.index(t) for t in random_key_inputs(fg.nodes, fg.tensors, fg.inputs)}
     batch_size({name: tuple(a.shape) for pos, (a, r, name) in
@@ -170,7 +194,7 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
         roles.append(Role.PARAM if pos in diff else Role.BATCH if is_batch else Role.OPT_STATE)
         names.append(name)
         batch_inputs.append(is_batch)
-    forward = trace_flat(_flat(call), avals, roles, names)
+    forward = loss_trace(traces, call, avals, roles, names)
     leaked = [f"{v.dtype}{list(v.shape)}" for v in forward.consts.values()
               if isinstance(v, jax.core.Tracer)]
     if leaked:
@@ -188,11 +212,11 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
     draws: tuple[bool, ...] = ()
     if m > 1:
         if full is None or keys:    # (with keys the roles differ from the probe's)
-            full = _full_trace(traces, call, full_avals, roles, names)
+            full = loss_trace(traces, call, full_avals, roles, names)
         draws = _batch_draws(forward, full, m)
         if any(draws):
-            forward = trace_flat(_flat(call), avals, roles, names, draws)
-            full = _full_trace(traces, call, full_avals, roles, names, draws)
+            forward = loss_trace(traces, call, avals, roles, names, draws)
+            full = loss_trace(traces, call, full_avals, roles, names, draws)
             batch_inputs.append(True)
         else:
             draws = ()
@@ -203,17 +227,9 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
                 raise
             scale, aux = _proxy_rules(call, avals, batch_inputs, roles, names, m, draws, rules)
     return StepParts(outer=outer, grad_node=node.id, call=call,
-                     forward=sink_batch_free_work(forward),
+                     forward=loss_trace(traces, call, avals, roles, names, draws, sunk=True),
                      batch_inputs=tuple(batch_inputs), num_micro_batches=m, loss_scale=scale,
-                     aux=aux, batch_draws=draws)
-
-
-def _full_trace(traces: SplitTraces, call, avals, roles, names, draws=()) -> TracedStep:
-    """The loss function traced at the full batch, once per roles and draws."""
-    key = (tuple(roles), tuple(draws))
-    if key not in traces.full:
-        traces.full[key] = trace_flat(_flat(call), avals, roles, names, draws)
-    return traces.full[key]
+                     aux=aux, batch_draws=draws, traces=traces)
 
 
 def _batch_draws(micro: TracedStep, full: TracedStep, m: int) -> tuple[bool, ...]:
@@ -353,10 +369,9 @@ def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
             avals.append(jax.ShapeDtypeStruct(shape, as_dtype(tt.dtype)))
             roles.append(tt.role)
             names.append(tt.name)
-        call = parts.call
         try:
-            local = sink_batch_free_work(trace_flat(_flat(call), avals, roles, names,
-                                                    parts.batch_draws))
+            local = loss_trace(parts.traces or SplitTraces(), parts.call, avals, roles, names,
+                               parts.batch_draws, sunk=True)
         except Exception as e:      # the user's loss may refuse the size in any way
             raise PlanningError(f"the loss function cannot be traced at 1/{replicas} of a "
                                 f"micro-batch: {type(e).__name__}: {e}") from None

@@ -756,14 +756,16 @@ def _manual_layers(fwd, method: Manual) -> tuple[list[int], tuple[tuple[int, int
 
 def manual_memory_floor(parts: StepParts, method: Manual, cluster: Cluster,
                         tensor_names: Mapping[int, str] | None = None,
-                        pool: PlannerPool | None = None) -> float:
+                        pool: PlannerPool | None = None, stop_above: float = math.inf) -> float:
     """The least peak memory per device (whole-stage estimate) of the Manual layout's
     fullest stage, whatever the ILP chooses inside it: parameters and their gradients split
     at most tp ways (a Manual layout never splits a weight over dp), every other tensor at
     most dp x tp ways (`planning.memory.memory_floor`), the stash held for the schedule's
     micro-batches in flight. Costs the stages' programs (shared through `pool` with the
     plan that may follow), no ILP: a search refuses a layout whose floor is over budget
-    without planning it.
+    without planning it. Stages are costed fullest stash first, and the first whose floor
+    is over `stop_above` ends the walk: the floor returned is then that stage's, over
+    `stop_above` and at most the layout's (the rest of its stages are not traced).
 
     It bounds `pipeline_stage_memory` from below term by term: that estimate is the
     parameters, gradients and optimizer state, `held` stashes and the one-micro-batch walk
@@ -775,8 +777,11 @@ def manual_memory_floor(parts: StepParts, method: Manual, cluster: Cluster,
     planner = _planner(parts, method, cluster, forward_names(parts, tensor_names or {}), None,
                        pool, split_batch=False)
     per = method.dp * method.tp
+    held = [held_micro_batches(method.schedule, len(ranges), s, parts.num_micro_batches)
+            for s in range(len(ranges))]
     worst = 0.0
-    for s, (a, b) in enumerate(ranges):
+    for s in sorted(range(len(ranges)), key=lambda s: -held[s]):
+        a, b = ranges[s]
         prog = planner.program(bounds[a][0], bounds[b][1])
         fb = prog.fb.graph
         weights = {t: method.tp for t in prog.fb_params + prog.fb_param_grads}
@@ -787,10 +792,11 @@ def manual_memory_floor(parts: StepParts, method: Manual, cluster: Cluster,
         walk = memory_floor(fb, per, weights).total
         stash = sum(size(t) for t in prog.fb_acts) + \
             (0.0 if method.remat else sum(size(t) for t in prog.residuals))
-        held = held_micro_batches(method.schedule, len(ranges), s, parts.num_micro_batches)
         worst = max(worst, walk + sum(size(t) for t in prog.fb_param_grads)
                     + planner.opt_ratio * sum(size(t) for t in prog.fb_params)
-                    + stash * (held - 1))
+                    + stash * (held[s] - 1))
+        if worst > stop_above:
+            break
     return worst
 
 
