@@ -225,7 +225,8 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
         except PlanningError:
             if not _one_example(avals, batch_inputs):
                 raise
-            scale, aux = _proxy_rules(call, avals, batch_inputs, roles, names, m, draws, rules)
+            scale, aux = _proxy_rules(traces, call, avals, batch_inputs, roles, names, m,
+                                      draws, rules)
     return StepParts(outer=outer, grad_node=node.id, call=call,
                      forward=loss_trace(traces, call, avals, roles, names, draws, sunk=True),
                      batch_inputs=tuple(batch_inputs), num_micro_batches=m, loss_scale=scale,
@@ -320,7 +321,8 @@ def _one_example(avals, batch_inputs) -> bool:
         a.shape[0] == 1 for a, b in zip(avals, batch_inputs) if b)
 
 
-def _proxy_rules(call, avals, batch_inputs, roles, names, m: int, draws=(), rules=None):
+def _proxy_rules(traces: SplitTraces, call, avals, batch_inputs, roles, names, m: int,
+                 draws=(), rules=None):
     """The micro-batch proof for micro-batches of one example, made at two examples.
 
     JAX traces size-1 dimensions differently (it may drop or broadcast them where a larger
@@ -331,7 +333,7 @@ def _proxy_rules(call, avals, batch_inputs, roles, names, m: int, draws=(), rule
     change; a loss that refuses there is refused with that trace's reason.
     """
     def at(k: int):
-        return trace_flat(_flat(call),
+        return loss_trace(traces, call,
                           [jax.ShapeDtypeStruct((k,) + tuple(a.shape[1:]) if b else
                                                 tuple(a.shape), a.dtype)
                            for a, b in zip(avals, batch_inputs)], roles, names, draws)

@@ -97,7 +97,7 @@ from alpa_lite.planning.spmd import manual_pins, solver_for
 from alpa_lite.planning.strategies import node_compute_time
 from alpa_lite.planning.step_time import pipeline_step_time
 from alpa_lite.planning.update_placement import place_update
-from alpa_lite.planning.workers import map_forked
+from alpa_lite.planning.workers import map_forked, usable_cores
 from alpa_lite.progress import CLUSTER, DP, ILPS, Progress, report
 from alpa_lite.solvers.stage_dp import (
     NoFeasiblePipelineError,
@@ -271,6 +271,11 @@ class PipelinePlanner:
         for job in todo.values():
             by_mesh.setdefault((job[2].shape, job[2].axis_names), []).append(job)
         tasks = list(by_mesh.values())
+        if len(tasks) < usable_cores():
+            # Fewer meshes than cores (the whole-stage walk of `_polish` asks each stage's
+            # next candidate, and its stages' walks go mesh by mesh alike): a task per job,
+            # so that every core plans; the memo a task would share is rebuilt per worker.
+            tasks = [[job] for job in todo.values()]
 
         def solve_task(task):
             return [self._solve(*job[1:]) for job in task]
