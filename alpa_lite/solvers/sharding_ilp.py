@@ -541,7 +541,7 @@ def _classes(values: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """The distinct slices of ``values`` along ``axis`` (in order of first appearance) and
     each position's slice index. Hashing the slices' bytes is several times faster than
     ``np.unique(axis=...)`` on the small tables met here."""
-    moved = np.ascontiguousarray(np.moveaxis(values, axis, 0))
+    moved = np.ascontiguousarray(values if axis == 0 else values.swapaxes(0, axis))
     flat = moved.reshape(moved.shape[0], -1)
     first: dict[bytes, int] = {}
     positions: list[int] = []
@@ -551,7 +551,8 @@ def _classes(values: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
         if k == len(positions):
             positions.append(i)
         inverse[i] = k
-    return np.moveaxis(moved[positions], 0, axis), inverse
+    distinct = moved[positions]
+    return (distinct if axis == 0 else distinct.swapaxes(0, axis)), inverse
 
 
 _COMPRESS_MAX_ENTRIES = 1 << 16
@@ -708,10 +709,25 @@ class _Work:
     fixed: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> strategy id
     eliminated: list[_Elimination] = dataclasses.field(default_factory=list)
     removed_memory: float = 0.0  # bytes of the nodes folded (P3) or eliminated (P5)
+    # (v, w) -> (the v-w edge matrix it was computed from, its row differences from v's
+    # side): a node is revisited whenever a neighbour changes, most of its edges unchanged.
+    # Edge matrices are replaced, never written in place, so the matrix held here is the
+    # current one exactly while the table is valid.
+    least: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = \
+        dataclasses.field(default_factory=dict)
 
     def edge_from(self, v: int, w: int) -> np.ndarray:
         """Edge matrix between v and w with v's strategies as rows."""
         return self.edges[(v, w)] if v < w else self.edges[(w, v)].T
+
+    def least_row_differences(self, v: int, w: int) -> np.ndarray:
+        """`_least_row_differences` of the v-w edge, rows v, computed once per matrix."""
+        matrix = self.edges[(min(v, w), max(v, w))]
+        known = self.least.get((v, w))
+        if known is None or known[0] is not matrix:
+            known = self.least[(v, w)] = (matrix,
+                                          _least_row_differences(self.edge_from(v, w)))
+        return known[1]
 
     def add_edge(self, v: int, w: int, matrix: np.ndarray) -> None:
         """Add ``matrix`` (rows v) to the v-w edge, creating it if needed (P1)."""
@@ -860,7 +876,7 @@ def _drop_dominated_strategies(work: _Work, v: int) -> bool:
         return False
     delta = costs[:, None] - costs[None, :]  # (k, k): δ(s, t) under construction
     for w in work.neighbours[v]:
-        delta = delta + _least_row_differences(work.edge_from(v, w))
+        delta = delta + work.least_row_differences(v, w)
     dominated = delta >= 0
     if work.memory_matters(v):
         memory = work.memory[v]
