@@ -30,10 +30,13 @@ tightened by the overshoot until the whole-stage estimate fits, or raises Planni
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
+import numpy as np
+
 from alpa_lite.errors import MemoryBudgetError
-from alpa_lite.ir.graph import OpGraph, Role
+from alpa_lite.ir.graph import OpGraph, Role, per_graph
 from alpa_lite.plan import StagePlan
 from alpa_lite.plan.memory import MemoryEstimate, format_bytes
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec, itemsize
@@ -75,32 +78,38 @@ def stage_memory(graph: OpGraph, mesh: LogicalMesh, input_specs, output_specs,
     """
     spec: dict[int, TensorSpec] = dict(tensor_specs)
     spec.update(zip(graph.inputs, input_specs))
-    cat = _categories(graph)
-    cat.update(categories or {})
-
-    inputs = set(graph.inputs)
-    size = {}
-    for t in graph.tensors:
-        size[t.id] = local_bytes(graph, t.id, spec.get(t.id), mesh)
+    life = _lifetimes(graph)
+    shards = np.ones(len(graph.tensors))
+    counts: dict[TensorSpec, int] = {}
+    for tid, sp in spec.items():
+        if sp is not None:
+            n = counts.get(sp)
+            if n is None:
+                n = counts[sp] = sp.num_shards(mesh)
+            shards[tid] = n
+    size = life.nbytes / shards
     # Step results: their buffer has the output spec, held from the producer to the end
     # (a tied one is free when donated; an argument passed straight through costs nothing).
-    last_use = _last_uses(graph)
     result_size: dict[int, float] = {}
     for out_pos, tid in enumerate(graph.outputs):
-        if tid in inputs or graph.producer(tid) is None:
+        if life.born[tid] < 0:
             continue
         donated = donate_tied and graph.output_ties[out_pos] is not None
         b = 0.0 if donated else local_bytes(graph, tid, output_specs[out_pos], mesh)
         result_size[tid] = max(result_size.get(tid, 0.0), b)
     for tid, b in result_size.items():
         size[tid] = b       # the result's own buffer replaces its operator's value
-    transient: dict[int, float] = {}
-    for n, pos, s in operand_specs:
+    transient = np.zeros(len(graph.nodes))
+    for n, pos, sp in operand_specs:
         tid = graph.nodes[n].inputs[pos]
         if tid is not None:
-            transient[n] = transient.get(n, 0.0) + local_bytes(graph, tid, s, mesh)
-
-    return _peak(graph, size, cat, transient, last_use)
+            transient[n] += local_bytes(graph, tid, sp, mesh)
+    category = life.category
+    if categories:
+        category = category.copy()
+        for tid, c in categories.items():
+            category[tid] = _CATEGORIES.index(c)
+    return _peak(life, size, category, transient)
 
 
 def memory_floor(graph: OpGraph, num_devices: int,
@@ -110,62 +119,77 @@ def memory_floor(graph: OpGraph, num_devices: int,
     or as many as `max_shards` allows it (a device never holds less of a tensor), results
     tied to arguments in buffers of their own as `stage_memory` counts them by default.
     Cheap, so a plan whose floor is over budget is refused before any ILP is built."""
-    limit = max_shards or {}
-    size = {t.id: t.size * itemsize(t.dtype) / limit.get(t.id, num_devices)
-            for t in graph.tensors}
-    return _peak(graph, size, _categories(graph), {}, _last_uses(graph))
+    life = _lifetimes(graph)
+    shards = np.full(len(graph.tensors), float(num_devices))
+    for tid, n in (max_shards or {}).items():
+        shards[tid] = n
+    return _peak(life, life.nbytes / shards, life.category, np.zeros(len(graph.nodes)))
 
 
-def _categories(graph: OpGraph) -> dict[int, str]:
-    """Each tensor's memory category by its role; a result tied to an argument (a new
-    parameter) takes the argument's."""
-    cat = {t.id: _category(t.role) for t in graph.tensors}
+_CATEGORIES = (_PARAMS, _GRADS, _OPT, _ACTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lifetimes:
+    """Per tensor id of one graph, what `stage_memory`'s walk needs whatever the shardings:
+    its whole bytes, its category (an index into `_CATEGORIES`: by role, and a result
+    tied to an argument, a new parameter, takes the argument's), and the nodes it is live
+    over: an argument all step (`born` -1), a node's result from its producer to its last
+    reader (`dies`; a step result to the end, a result nothing reads at its producer
+    only), a tensor no node computes and no argument (`born` -2) never."""
+    nbytes: np.ndarray
+    category: np.ndarray
+    born: np.ndarray
+    dies: np.ndarray
+
+
+@per_graph
+def _lifetimes(graph: OpGraph) -> _Lifetimes:
+    T, N = len(graph.tensors), len(graph.nodes)
+    nbytes = np.array([t.size * itemsize(t.dtype) for t in graph.tensors], dtype=float)
+    category = np.array([_CATEGORIES.index(_category(t.role)) for t in graph.tensors],
+                        dtype=int)
     for out_pos, tie in enumerate(graph.output_ties):
         if tie is not None:
-            cat[graph.outputs[out_pos]] = cat[graph.inputs[tie]]
-    return cat
-
-
-def _last_uses(graph: OpGraph) -> dict[int, int]:
-    """The last node reading each tensor; a step result is held to the end."""
-    last_use: dict[int, int] = {}
-    for node in graph.nodes:
-        for t in node.inputs:
-            if t is not None:
-                last_use[t] = node.id
-    for tid in graph.outputs:
-        last_use[tid] = len(graph.nodes)
-    return last_use
-
-
-def _peak(graph: OpGraph, size: Mapping[int, float], cat: Mapping[int, str],
-          transient: Mapping[int, float], last_use: Mapping[int, int]) -> MemoryEstimate:
-    """`stage_memory`'s walk: arguments held throughout, a value from its producer to its
-    last reader, plus each node's transient buffers; the peak, split by category."""
-    inputs = set(graph.inputs)
-    held = {c: 0.0 for c in (_PARAMS, _GRADS, _OPT, _ACTS)}
-    # Arguments are held for the whole step (captured constants live in the executable).
-    for tid in inputs:
-        held[cat[tid]] += size[tid]
-    live: set[int] = set()
-    best = dict(held, workspace=0.0)
-    best_total = sum(held.values())
+            category[graph.outputs[out_pos]] = category[graph.inputs[tie]]
+    born = np.full(T, -2, dtype=int)
+    dies = np.full(T, -2, dtype=int)
     for node in graph.nodes:
         for t in node.outputs:
-            live.add(t)
-            held[cat[t]] += size[t]
-        work = transient.get(node.id, 0.0)
-        total = sum(held.values()) + work
-        if total > best_total:
-            best_total, best = total, dict(held, workspace=work)
-        # Free what this node read last, and results nothing reads (dead values).
-        for t in set(x for x in node.inputs if x is not None) | set(node.outputs):
-            if t in live and last_use.get(t, node.id) <= node.id:
-                live.discard(t)
-                held[cat[t]] -= size[t]
-    return MemoryEstimate(params=best[_PARAMS], grads=best[_GRADS],
-                          optimizer_state=best[_OPT], activations=best[_ACTS],
-                          workspace=best["workspace"])
+            born[t] = dies[t] = node.id
+        for t in node.inputs:
+            if t is not None:
+                dies[t] = max(dies[t], node.id)
+    for t in graph.outputs:
+        dies[t] = N - 1
+    born[list(graph.inputs)] = -1
+    return _Lifetimes(nbytes, category, born, dies)
+
+
+def _peak(life: _Lifetimes, size: np.ndarray, category: np.ndarray,
+          transient: np.ndarray) -> MemoryEstimate:
+    """`stage_memory`'s walk: arguments held throughout, a value from its producer to its
+    last reader, plus each node's transient buffers; the peak (its first node), split by
+    category."""
+    args = life.born == -1
+    held = np.bincount(category[args], size[args], minlength=len(_CATEGORIES))
+    at_peak, work = held, 0.0
+    N = len(transient)
+    made = life.born >= 0
+    if N:
+        delta = np.zeros(N + 1)
+        np.add.at(delta, life.born[made], size[made])
+        np.add.at(delta, life.dies[made] + 1, -size[made])
+        total = np.cumsum(delta[:N]) + transient
+        n = int(np.argmax(total))
+        if total[n] > 0:
+            live = made & (life.born <= n) & (life.dies >= n)
+            at_peak = held + np.bincount(category[live], size[live],
+                                         minlength=len(_CATEGORIES))
+            work = float(transient[n])
+    return MemoryEstimate(params=float(at_peak[0]), grads=float(at_peak[1]),
+                          optimizer_state=float(at_peak[2]), activations=float(at_peak[3]),
+                          workspace=work)
 
 
 def stage_plan_memory(graph: OpGraph, stage: StagePlan, mesh: LogicalMesh,
