@@ -9,7 +9,7 @@ from __future__ import annotations
 import weakref
 
 from alpa_lite.errors import PlanningError
-from alpa_lite.ir.graph import OpGraph
+from alpa_lite.ir.graph import OpGraph, per_graph
 from alpa_lite.ir.step_parts import structure_hash
 from alpa_lite.ir.tracing import TracedStep
 from alpa_lite.solvers.layer_clustering import (
@@ -20,6 +20,7 @@ from alpa_lite.solvers.layer_clustering import (
 )
 
 
+@per_graph
 def clustering_problem(forward: OpGraph):
     """The forward graph as the layer clustering sees it: FLOPs per node, and per activation
     its producer, its last reader and its size."""
@@ -36,7 +37,11 @@ def clustering_problem(forward: OpGraph):
     return ClusteringProblem(flops=tuple(n.flops for n in forward.nodes), tensors=tuple(tensors))
 
 
-_LAYERS: "weakref.WeakKeyDictionary[OpGraph, dict[tuple, tuple[int, ...]]]" = \
+# Per forward graph: layer starts by (num_layers, min_layers, eps), and each clustering
+# `_fewest_structures` weighed with its count of layer structures by ("cut", L, eps): the
+# searches ask for layers at several minimum counts (one per pipeline depth weighed), and
+# their windows of counts overlap.
+_LAYERS: "weakref.WeakKeyDictionary[OpGraph, dict[tuple, tuple]]" = \
     weakref.WeakKeyDictionary()
 
 
@@ -88,11 +93,15 @@ def _fewest_structures(forward: TracedStep, problem, counts, eps: float) -> tupl
     twice as slowly and 2 layers would leave the DP nothing to choose.
     """
     n = len(forward.graph.nodes)
+    known = _LAYERS.setdefault(forward.graph, {})
     best, best_score = None, None
     for L in counts[:_MAX_LAYER_COUNTS_TRIED]:
-        starts = cluster_layers(problem, L, eps).boundaries
-        ends = list(starts[1:]) + [n]
-        kinds = len({structure_hash(forward, a, b) for a, b in zip(starts, ends)})
+        if ("cut", L, eps) not in known:
+            starts = cluster_layers(problem, L, eps).boundaries
+            ends = list(starts[1:]) + [n]
+            known[("cut", L, eps)] = (
+                starts, len({structure_hash(forward, a, b) for a, b in zip(starts, ends)}))
+        starts, kinds = known[("cut", L, eps)]
         score = (L / kinds, L)
         if best is None or score > best_score:
             best, best_score = starts, score
