@@ -563,12 +563,14 @@ def _place(cluster: Cluster, sizes: list[int]) -> list[int]:
 
 
 def _logical_shapes(sub: SubmeshShape) -> list[tuple[int, int]]:
-    """Logical (dp, tp) meshes of a submesh: every factorisation inside one node; across
-    nodes, tp within a node (splitting a layer's matmuls over the network is never cheaper
-    than splitting the batch there)."""
+    """Logical (dp, tp) meshes of a submesh: every factorisation inside one node, but (n, 1),
+    which is (1, n) with its one axis named differently (the same devices in one group: the
+    same problem, as `spmd.auto_mesh_shapes` takes it); across nodes, tp within a node
+    (splitting a layer's matmuls over the network is never cheaper than splitting the batch
+    there)."""
     n = sub.num_devices
     if sub.num_nodes == 1:
-        return [(n // t, t) for t in range(1, n + 1) if n % t == 0]
+        return [(n // t, t) for t in range(1, n + 1) if n % t == 0 and (t > 1 or n == 1)]
     M = sub.devices_per_node
     return [(n // t, t) for t in range(1, M + 1) if M % t == 0]
 
