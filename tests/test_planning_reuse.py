@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import alpa_lite as al
-from alpa_lite.ir.step_parts import stage_program
+from alpa_lite.ir.step_parts import local_forward, stage_program
 from alpa_lite.plan.sharding import LogicalMesh
 from alpa_lite.planning import intra_op, pipeline
 from alpa_lite.planning.auto_search import SearchSpace, search_auto
@@ -126,6 +126,17 @@ def test_ranges_of_one_structure_share_one_traced_program():
     assert len({p.params for p in blocks}) == len(blocks)
     # Remembered per forward graph: the layer cut is too.
     assert forward_layers(fwd, num_layers=6) is starts
+
+
+def test_a_replicas_share_of_a_micro_batch_is_the_micro_batch_of_a_larger_count():
+    step = _step(al.Auto())
+    args = _args()
+    two, four = (step.parts(*args, num_micro_batches=m) for m in (2, 4))
+    local, scale = local_forward(two, 2)
+    # One trace of the loss at 2 examples: one forward graph, so one set of stage programs.
+    assert local is four.forward and scale == 0.5
+    n = len(four.forward.graph.nodes)
+    assert stage_program(local, 0, n).fb is stage_program(four.forward, 0, n).fb
 
 
 def test_candidates_sharing_a_pool_plan_as_alone_and_count_only_new_work():
