@@ -44,6 +44,21 @@ from alpa_lite.ir.tracing import (
 GRAD_CALL = "alpa_grad_call"
 
 
+@dataclasses.dataclass(eq=False)
+class SplitTraces:
+    """What `split_step` traces alike for every micro-batch count of one step and argument
+    signature, kept so that a search over counts traces it once: the step with its gradient
+    call captured, and the loss function per batch size it is traced at (`loss_trace`).
+
+    A batch size recurs across counts: the full batch is the micro-batch of one count, and
+    a data-parallel replica's share of a micro-batch of m (`local_forward`) is the
+    micro-batch of a larger count. Traced once, they are one forward graph, and so share
+    their stage programs too (`stage_program` keeps those per forward graph)."""
+    outer: TracedStep | None = None
+    loss: dict = dataclasses.field(default_factory=dict)     # key -> the traced loss
+    sunk: dict = dataclasses.field(default_factory=dict)     # key -> it, batch-free work sunk
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepParts:
     """A step split around its gradient call.
@@ -67,7 +82,7 @@ class StepParts:
     # input is the micro-batch's row indices (a batch leaf the runtime makes).
     batch_draws: tuple[bool, ...] = ()
     # The traces this split shares with the other counts of its step (`SplitTraces`).
-    traces: SplitTraces | None = dataclasses.field(default=None, repr=False)
+    traces: SplitTraces = dataclasses.field(default_factory=SplitTraces, repr=False)
 
     @property
     def apply_nodes(self) -> tuple[int, ...]:
@@ -93,21 +108,6 @@ class StepParts:
 
     def value_output(self) -> int:
         return self.outer.graph.nodes[self.grad_node].outputs[0]
-
-
-@dataclasses.dataclass(eq=False)
-class SplitTraces:
-    """What `split_step` traces alike for every micro-batch count of one step and argument
-    signature, kept so that a search over counts traces it once: the step with its gradient
-    call captured, and the loss function per batch size it is traced at (`loss_trace`).
-
-    A batch size recurs across counts: the full batch is the micro-batch of one count, and
-    a data-parallel replica's share of a micro-batch of m (`local_forward`) is the
-    micro-batch of a larger count. Traced once, they are one forward graph, and so share
-    their stage programs too (`stage_program` keeps those per forward graph)."""
-    outer: TracedStep | None = None
-    loss: dict = dataclasses.field(default_factory=dict)     # key -> the traced loss
-    sunk: dict = dataclasses.field(default_factory=dict)     # key -> it, batch-free work sunk
 
 
 def loss_trace(traces: SplitTraces, call, avals, roles, names, draws=(),
@@ -372,7 +372,7 @@ def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
             roles.append(tt.role)
             names.append(tt.name)
         try:
-            local = loss_trace(parts.traces or SplitTraces(), parts.call, avals, roles, names,
+            local = loss_trace(parts.traces, parts.call, avals, roles, names,
                                parts.batch_draws, sunk=True)
         except Exception as e:      # the user's loss may refuse the size in any way
             raise PlanningError(f"the loss function cannot be traced at 1/{replicas} of a "
