@@ -35,13 +35,29 @@ class Role(enum.Enum):
 _EXTENDED_DTYPES: dict[str, Any] = {}
 
 
+# Names and item sizes by dtype: tracing asks for them once per tensor and operand (tens
+# of thousands of times per trace), and numpy's and JAX's dtype checks cost microseconds.
+_NAMES: dict[Any, str] = {}
+_ITEMSIZES: dict[str, int] = {}
+
+
 def dtype_name(dtype: Any) -> str:
     """The graph's name for a dtype: numpy's ("float32"), or JAX's own for its extended
     dtypes (typed PRNG keys: "key<fry>")."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):      # TypeError: an unhashable dtype-like (a list)
+        pass
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         _EXTENDED_DTYPES[str(dtype)] = dtype
-        return str(dtype)
-    return str(np.dtype(dtype))
+        name = str(dtype)
+    else:
+        name = str(np.dtype(dtype))
+    try:
+        _NAMES[dtype] = name
+    except TypeError:
+        pass
+    return name
 
 
 def as_dtype(name: str) -> Any:
@@ -53,10 +69,11 @@ def as_dtype(name: str) -> Any:
 
 def dtype_itemsize(name: str) -> int:
     """Bytes per element; a typed key holds its implementation's uint32 words."""
-    d = as_dtype(name)
-    if jax.dtypes.issubdtype(d, jax.dtypes.extended):
-        return int(np.prod(d._impl.key_shape)) * 4
-    return d.itemsize
+    if name not in _ITEMSIZES:
+        d = as_dtype(name)
+        _ITEMSIZES[name] = int(np.prod(d._impl.key_shape)) * 4 \
+            if jax.dtypes.issubdtype(d, jax.dtypes.extended) else d.itemsize
+    return _ITEMSIZES[name]
 
 
 def is_key(name: str) -> bool:
