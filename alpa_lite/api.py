@@ -30,6 +30,7 @@ from alpa_lite.plan import Choice, Plan
 from alpa_lite.plan.methods import Auto, DataParallel, Manual, Method, method_to_json
 from alpa_lite.planning.auto_search import SearchSpace, search_auto
 from alpa_lite.planning.cache import cache_key, load_plan, save_plan
+from alpa_lite.planning.collector import fewer_collections
 from alpa_lite.planning.compression import make_compressed_plan, refuse_double_momentum
 from alpa_lite.planning.hybrid_search import best_hybrid, hybrid_layouts
 from alpa_lite.planning.pipeline import PlannerPool, make_pipeline_plan, manual_memory_floor
@@ -134,6 +135,10 @@ class ParallelizedStep:
         """Plans the step for these arguments on `cluster` (default: the step's cluster,
         else the local devices). Arguments may be `jax.ShapeDtypeStruct`s. `progress`, if
         given, hears of each planning phase (`alpa_lite.progress`)."""
+        with fewer_collections():
+            return self._plan_for(args, cluster, progress)
+
+    def _plan_for(self, args, cluster: Cluster | None, progress: Progress | None) -> Plan:
         cluster = cluster or self.cluster or Cluster.local()
         t0 = time.perf_counter()
         report(progress, TRACE, 0, 1)

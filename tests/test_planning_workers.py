@@ -83,3 +83,28 @@ def test_a_plan_made_on_every_core_is_the_plan_made_in_order(method, monkeypatch
     in_order = plan()
     assert forked.to_json() == in_order.to_json()
     assert forked.stats.layer_ilps == in_order.stats.layer_ilps
+
+
+def test_planning_paces_the_collector_and_gives_the_users_settings_back():
+    import gc
+
+    from alpa_lite.planning.collector import PLANNING_YOUNG_THRESHOLD, fewer_collections
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        with fewer_collections():
+            assert gc.get_threshold() == (PLANNING_YOUNG_THRESHOLD, 10, 10)
+            # Planning's forked workers inherit the pace.
+            seen = map_forked(lambda _: gc.get_threshold(), [0, 1])
+            assert [o.get() for o in seen] == [(PLANNING_YOUNG_THRESHOLD, 10, 10)] * 2
+        assert gc.get_threshold() == (700, 10, 10)
+        with pytest.raises(PlanningError):
+            with fewer_collections():
+                raise PlanningError("no plan")
+        assert gc.get_threshold() == (700, 10, 10)
+        # A collector the user turned off stays off.
+        gc.set_threshold(0, 10, 10)
+        with fewer_collections():
+            assert gc.get_threshold() == (0, 10, 10)
+    finally:
+        gc.set_threshold(*before)
