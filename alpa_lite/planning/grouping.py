@@ -182,7 +182,12 @@ def _follow_choice(strategies: Sequence[Strategy], spec_of: Callable[[Strategy],
     cheapest, keeps a group's strategies the leader's: a follower that split further just
     because slicing is free would push reshards onto edges it cannot see.
     """
-    exact = [i for i, st in enumerate(strategies) if spec_of(st) == target]
+    # Compared on dims (tuples compare in C; this runs for every follower and strategy).
+    if target is None:
+        exact = [i for i, st in enumerate(strategies) if spec_of(st) is None]
+    else:
+        exact = [i for i, st in enumerate(strategies)
+                 if (spec := spec_of(st)) is not None and spec.dims == target.dims]
     if exact:
         best = min(exact, key=lambda i: (strategies[i].work_shards,
                                          round(strategies[i].cost_s, 15), i))

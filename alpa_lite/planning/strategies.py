@@ -277,13 +277,17 @@ def structural_key(graph: OpGraph, node: Node) -> tuple:
 
 def reshard_cost(units: Units, t: Tensor, src: TensorSpec, dst: TensorSpec | None,
                   cache: dict) -> float:
-    if dst is None or src == dst:
+    if dst is None or src is dst:
         return 0.0
-    key = (t.shape, t.dtype, src, dst)
-    if key not in cache:
-        cache[key] = sum(c.time_s for c in reshard_collectives(t.shape, t.dtype, src, dst,
-                                                               units.comm))
-    return cache[key]
+    # Keyed on the specs' dims (plain tuples): an ILP build asks this hundreds of thousands
+    # of times, and tuples hash and compare in C where the dataclass's methods are Python.
+    key = (t.shape, t.dtype, src.dims, dst.dims)
+    cost = cache.get(key)
+    if cost is None:
+        cost = 0.0 if src.dims == dst.dims else sum(
+            c.time_s for c in reshard_collectives(t.shape, t.dtype, src, dst, units.comm))
+        cache[key] = cost
+    return cost
 
 
 def unit_name(graph: OpGraph, units: Units, u: int) -> str:
