@@ -1,11 +1,14 @@
-"""Tests for alpa_lite.planning.workers: forked workers give what running in order gives."""
+"""Tests for alpa_lite.planning.workers (forked workers give what running in order gives)
+and alpa_lite.planning.collector (the collector paced while planning)."""
 
+import gc
 import os
 
 import pytest
 
 from alpa_lite.errors import MemoryBudgetError, PlanningError
 from alpa_lite.planning import workers
+from alpa_lite.planning.collector import PLANNING_YOUNG_THRESHOLD, fewer_collections
 from alpa_lite.planning.workers import map_forked
 
 
@@ -86,9 +89,6 @@ def test_a_plan_made_on_every_core_is_the_plan_made_in_order(method, monkeypatch
 
 
 def test_planning_paces_the_collector_and_gives_the_users_settings_back():
-    import gc
-
-    from alpa_lite.planning.collector import PLANNING_YOUNG_THRESHOLD, fewer_collections
     before = gc.get_threshold()
     try:
         gc.set_threshold(700, 10, 10)
