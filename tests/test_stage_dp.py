@@ -9,11 +9,14 @@ import pytest
 
 from alpa_lite.solvers.stage_dp import (
     NoFeasiblePipelineError,
+    OptionColumns,
     PipelinePlan,
     StageAssignment,
     StageOption,
+    StageOptionGrid,
     SubmeshShape,
     brute_force_stage_plan,
+    range_pairs,
     solve_stage_dp,
     submesh_shapes,
 )
@@ -341,3 +344,64 @@ def test_plan_records_validate_and_describe():
     plan, _ = solve_stage_dp(8, 1, 4, 4, uniform_options, 4.0)
     text = plan.describe()
     assert "2 stage(s)" in text and "layers 0..3 on (1, 2)" in text
+
+
+def as_grid(stage_options, num_layers, width=3):
+    """The callable's options as a StageOptionGrid: column n holds option n of each range
+    (labels o0, o1, ...), NaN where a range has fewer."""
+    starts, ends = range_pairs(num_layers)
+
+    def columns(shape):
+        cube = np.full((3, len(starts), width), np.nan)
+        for r, (a, b) in enumerate(zip(starts, ends)):
+            for n, o in enumerate(stage_options(int(a), int(b), shape)):
+                cube[:, r, n] = o.latency_s, o.param_bytes, o.act_bytes
+        return OptionColumns(*cube, tuple(f"o{n}" for n in range(width)))
+
+    return StageOptionGrid(num_layers, columns)
+
+
+def test_an_option_grid_plans_what_the_callable_plans():
+    rng = np.random.default_rng(7)
+    compared = refused = 0
+    for _ in range(120):
+        num_layers = int(rng.integers(1, 7))
+        num_nodes, devices_per_node = CLUSTERS[int(rng.integers(len(CLUSTERS)))]
+        micro_batches = int(rng.integers(1, 9))
+        options = random_options(rng, num_layers, num_nodes, devices_per_node)
+        grid = as_grid(options, num_layers)
+        shapes = submesh_shapes(num_nodes, devices_per_node)
+        # The grid answers per range as the callable does: same options, same order.
+        for a, b in zip(*range_pairs(num_layers)):
+            for shape in shapes:
+                assert grid(int(a), int(b), shape) == list(options(int(a), int(b), shape))
+        memory = float(rng.integers(3, 16))
+        args = (num_layers, num_nodes, devices_per_node, micro_batches)
+        try:
+            want = solve_stage_dp(*args, options, memory)
+        except NoFeasiblePipelineError as e:
+            with pytest.raises(NoFeasiblePipelineError) as got:
+                solve_stage_dp(*args, grid, memory)
+            assert str(got.value) == str(e)
+            refused += 1
+            continue
+        got = solve_stage_dp(*args, grid, memory)
+        assert got[0] == want[0]          # stages, cuts, submeshes, options and labels
+        assert got[1].cost_queries == want[1].cost_queries
+        compared += 1
+    assert compared > 60 and refused > 5
+
+
+def test_a_bad_option_grid_is_named():
+    def columns(shape):
+        lat = np.ones((3, 1))
+        lat[1, 0] = -1.0
+        return OptionColumns(lat, np.zeros((3, 1)), np.zeros((3, 1)), ("mesh (1, 2)",))
+    with pytest.raises(ValueError, match=r"latency_s for layers 0..1 \('mesh \(1, 2\)'\) "
+                                         r"is -1.0: it must be finite and >= 0"):
+        solve_stage_dp(2, 1, 2, 4, StageOptionGrid(2, columns), 1e9)
+    with pytest.raises(ValueError, match=r"has shape \(2, 1\), not \(3, 1\)"):
+        solve_stage_dp(2, 1, 2, 4, StageOptionGrid(2, lambda shape: OptionColumns(
+            np.ones((2, 1)), np.zeros((2, 1)), np.zeros((2, 1)), ("x",))), 1e9)
+    with pytest.raises(ValueError, match="is for 3 layers, the DP for 2"):
+        solve_stage_dp(2, 1, 2, 4, StageOptionGrid(3, columns), 1e9)

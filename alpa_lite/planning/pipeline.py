@@ -101,8 +101,10 @@ from alpa_lite.planning.workers import map_forked, usable_cores
 from alpa_lite.progress import CLUSTER, DP, ILPS, Progress, report
 from alpa_lite.solvers.stage_dp import (
     NoFeasiblePipelineError,
-    StageOption,
+    OptionColumns,
+    StageOptionGrid,
     SubmeshShape,
+    range_pairs,
     solve_stage_dp,
     submesh_shapes,
 )
@@ -1110,18 +1112,23 @@ def _refuse_below_floor(planner: PipelinePlanner, progs, m: int, budget: float,
                      sum(g.tensors[t].nbytes for t in prog.residuals)])
     prefix = np.vstack([np.zeros(3), np.cumsum(np.array(rows, dtype=float), axis=0)])
     gpipe = method.schedule == "gpipe"
+    starts, ends = range_pairs(len(progs))
 
-    def options(start: int, end: int, sub: SubmeshShape):
-        par, inp, res = (prefix[end + 1] - prefix[start]) / sub.num_devices
+    def columns(sub: SubmeshShape) -> OptionColumns:
+        par, inp, res = ((prefix[ends + 1] - prefix[starts]) / sub.num_devices).T
         # Only whether some pipeline fits is asked: any positive latency will do.
-        latency = (end - start + 1) / sub.num_devices
+        latency = (ends - starts + 1) / sub.num_devices
+        zero = np.zeros_like(par)
         if gpipe:
-            return [StageOption(latency, par + (inp + res) * m, 0.0),
-                    StageOption(latency, par + inp * m + res, 0.0)]
-        return [StageOption(latency, par, inp + res), StageOption(latency, par + res, inp)]
+            return OptionColumns(np.stack([latency, latency], 1),
+                                 np.stack([par + (inp + res) * m, par + inp * m + res], 1),
+                                 np.stack([zero, zero], 1), ("", ""))
+        return OptionColumns(np.stack([latency, latency], 1), np.stack([par, par + res], 1),
+                             np.stack([inp + res, inp], 1), ("", ""))
 
     try:
-        solve_stage_dp(len(progs), N, M, m, options, budget, max_stages=method.max_stages)
+        solve_stage_dp(len(progs), N, M, m, StageOptionGrid(len(progs), columns), budget,
+                       max_stages=method.max_stages)
     except NoFeasiblePipelineError as e:
         raise PlanningError(
             f"no pipeline plan fits in {budget / 2**30:.1f} GiB per device, even with every "
@@ -1165,14 +1172,17 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
               for k, v in rows.items()}
     index = {sub: i for i, sub in enumerate(shapes)}
     gpipe = method.schedule == "gpipe"
+    starts, ends = range_pairs(L)
 
-    def options(start: int, end: int, sub: SubmeshShape):
+    def columns(sub: SubmeshShape) -> OptionColumns:
+        """Every range's options on `sub`: per logical mesh, fastest and memory-lean, each
+        without and with remat (the DP's table takes them as arrays: `StageOptionGrid`)."""
         si = index[sub]
-        out = []
+        cols = []
         for shape in _logical_shapes(sub):
             for kind in ("fast", "lean"):
                 p = prefix[(si, shape, kind)]
-                f, bw, par, act, inp, rebuilt = p[end + 1] - p[start]
+                f, bw, par, act, inp, rebuilt = (p[ends + 1] - p[starts]).T
                 tag = "" if kind == "fast" else " lean"
                 # A recomputing stage keeps only its inputs per micro-batch in flight, but
                 # its backward rebuilds every residual of one micro-batch at once (the
@@ -1180,12 +1190,16 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
                 # least their bytes split over every device of the submesh (whatever the
                 # whole stage's shardings, so the DP still never refuses a stage that fits).
                 if gpipe:   # every stage holds all m micro-batches, not the DP's 1F1B count
-                    par, act, inp, kept = par + act * m, 0.0, 0.0, par + inp * m + rebuilt
+                    par, act, inp, kept = par + act * m, np.zeros_like(act), \
+                        np.zeros_like(inp), par + inp * m + rebuilt
                 else:
                     kept = par + rebuilt
-                out.append(StageOption(f + bw, par, act, label=f"{shape}{tag}"))
-                out.append(StageOption(2 * f + bw, kept, inp, label=f"{shape}{tag} remat"))
-        return out
+                cols.append((f + bw, par, act, f"{shape}{tag}"))
+                cols.append((2 * f + bw, kept, inp, f"{shape}{tag} remat"))
+        return OptionColumns(*(np.stack([c[a] for c in cols], 1) for a in range(3)),
+                             tuple(c[3] for c in cols))
+
+    options = StageOptionGrid(L, columns)
 
     report(planner.progress, DP, 0, 1)
     try:

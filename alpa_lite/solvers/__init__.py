@@ -16,12 +16,15 @@ from alpa_lite.solvers.sharding_ilp import Solver as Solver
 from alpa_lite.solvers.sharding_ilp import SolverUnavailableError as SolverUnavailableError
 from alpa_lite.solvers.sharding_ilp import solve_sharding_ilp as solve_sharding_ilp
 from alpa_lite.solvers.stage_dp import NoFeasiblePipelineError as NoFeasiblePipelineError
+from alpa_lite.solvers.stage_dp import OptionColumns as OptionColumns
 from alpa_lite.solvers.stage_dp import PipelinePlan as PipelinePlan
 from alpa_lite.solvers.stage_dp import StageAssignment as StageAssignment
 from alpa_lite.solvers.stage_dp import StageCostFn as StageCostFn
 from alpa_lite.solvers.stage_dp import StageDPStats as StageDPStats
 from alpa_lite.solvers.stage_dp import StageOption as StageOption
+from alpa_lite.solvers.stage_dp import StageOptionGrid as StageOptionGrid
 from alpa_lite.solvers.stage_dp import SubmeshShape as SubmeshShape
 from alpa_lite.solvers.stage_dp import brute_force_stage_plan as brute_force_stage_plan
+from alpa_lite.solvers.stage_dp import range_pairs as range_pairs
 from alpa_lite.solvers.stage_dp import solve_stage_dp as solve_stage_dp
 from alpa_lite.solvers.stage_dp import submesh_shapes as submesh_shapes

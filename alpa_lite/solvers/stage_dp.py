@@ -4,7 +4,9 @@ A model is ``L`` layers 0..L−1 in order; the cluster is ``N`` nodes of ``M`` d
 cuts the layers into ``S`` contiguous stages and gives stage s a submesh ``m_s`` (and one of
 the caller's intra-op options for that layer range on that submesh). The submeshes' device
 counts sum to exactly N·M. This module knows nothing of JAX: costs come from the caller's
-``stage_options(start, end, submesh)``.
+``stage_options(start, end, submesh)``, or from a `StageOptionGrid` that gives every
+range's options on a submesh as arrays (the same DP, without a call and a record per
+option: at a thousand GPUs there are millions).
 
 The problem
 -----------
@@ -98,7 +100,7 @@ import math
 import numbers
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -174,6 +176,11 @@ class StageOption:
             value = getattr(self, field)
             if type(value) is float and 0.0 <= value < math.inf:
                 continue      # the common case, checked fast: the DP makes millions
+            if type(value) is np.float64 and 0.0 <= value < math.inf:
+                # As common (sums read from numpy arrays), and as fast: the abstract-class
+                # check below costs microseconds, millions of times at 1024 GPUs.
+                object.__setattr__(self, field, float(value))
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"StageOption.{field} must be a number ({unit}), got {value!r}")
             value = float(value)
@@ -194,6 +201,91 @@ class StageOption:
 StageCostFn = Callable[[int, int, SubmeshShape], Sequence[StageOption]]
 """``stage_options(start, end, submesh)``: the options for layers start..end (inclusive) on
 ``submesh``; an empty sequence means the range cannot run there."""
+
+
+@dataclass(frozen=True, eq=False)
+class OptionColumns:
+    """Every layer range's options on one submesh, as arrays (`StageOptionGrid`).
+
+    Row r is the range ``range_pairs(num_layers)[r]`` (start ≤ end, start-major: (0, 0),
+    (0, 1), …, (1, 1), …); column c is one kind of option (a logical mesh, with remat or
+    not, …), named ``labels[c]``. A NaN latency: that kind has no option for that range.
+    Each row's options keep the column order, as a callable's list keeps its order.
+    """
+
+    latency_s: np.ndarray  # (ranges, columns), seconds
+    param_bytes: np.ndarray  # (ranges, columns)
+    act_bytes: np.ndarray  # (ranges, columns)
+    labels: tuple[str, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class StageOptionGrid:
+    """``stage_options`` given a submesh at a time: ``columns(submesh)`` returns the
+    `OptionColumns` of every layer range on it.
+
+    The callable form is asked once per (start, end, submesh) and answers with StageOption
+    records, and at a thousand GPUs that is most of the DP's time: 128 nodes of 8 have 131
+    submeshes, so 98 layers make 635k queries and 10M options. On the 2-core box, 40 layers
+    with 16 options per query on those submeshes took 8.9 s (7.3 s of it the calls and the
+    records) and 0.56 s as a grid, the same plan. The grid's arrays go into the table as
+    they are, and records are made only for the options a plan or a message names. A grid
+    is also callable as ``(start, end, submesh)`` (brute force, explanations), with the
+    same options in the same order.
+    """
+
+    num_layers: int
+    columns: Callable[[SubmeshShape], OptionColumns]
+    _seen: dict = field(default_factory=dict, repr=False)  # checked columns, by submesh
+
+    def columns_of(self, submesh: SubmeshShape) -> OptionColumns:
+        """``columns(submesh)``, checked once (shapes, and finite non-negative values)."""
+        if submesh not in self._seen:
+            self._seen[submesh] = _checked_columns(self.columns(submesh), self.num_layers,
+                                                   submesh)
+        return self._seen[submesh]
+
+    def __call__(self, start: int, end: int, submesh: SubmeshShape) -> list[StageOption]:
+        cols = self.columns_of(submesh)
+        r = _pair_index(start, end, self.num_layers)
+        return [StageOption(float(cols.latency_s[r, c]), float(cols.param_bytes[r, c]),
+                            float(cols.act_bytes[r, c]), cols.labels[c])
+                for c in range(len(cols.labels)) if not math.isnan(cols.latency_s[r, c])]
+
+
+def range_pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of every layer range start ≤ end, start-major: `OptionColumns` rows."""
+    return _triangle_pairs(num_layers)
+
+
+def _pair_index(start: int, end: int, num_layers: int) -> int:
+    return start * num_layers - start * (start - 1) // 2 + (end - start)
+
+
+def _checked_columns(cols, num_layers: int, submesh: SubmeshShape) -> OptionColumns:
+    if not isinstance(cols, OptionColumns):
+        raise ValueError(f"StageOptionGrid.columns({submesh}) returned "
+                         f"{type(cols).__name__}, not OptionColumns")
+    ranges = num_layers * (num_layers + 1) // 2
+    arrays = [np.asarray(a, dtype=float) for a in (cols.latency_s, cols.param_bytes,
+                                                   cols.act_bytes)]
+    want = (ranges, len(cols.labels))
+    for name, a in zip(("latency_s", "param_bytes", "act_bytes"), arrays):
+        if a.shape != want:
+            raise ValueError(
+                f"StageOptionGrid.columns({submesh}).{name} has shape {a.shape}, not {want} "
+                f"(one row per layer range of {num_layers} layers, one column per label)")
+    present = ~np.isnan(arrays[0])
+    for name, a in zip(("latency_s", "param_bytes", "act_bytes"), arrays):
+        bad = present & ~(np.isfinite(a) & (a >= 0))
+        if bad.any():
+            r, c = (int(x[0]) for x in np.nonzero(bad))
+            starts, ends = range_pairs(num_layers)
+            raise ValueError(
+                f"StageOptionGrid.columns({submesh}).{name} for layers {starts[r]}..{ends[r]} "
+                f"({cols.labels[c]!r}) is {a[r, c]}: it must be finite and >= 0 (leave an "
+                "impossible option out with a NaN latency)")
+    return OptionColumns(*arrays, tuple(str(x) for x in cols.labels))
 
 
 @dataclass(frozen=True)
@@ -325,7 +417,7 @@ def solve_stage_dp(
     num_nodes: int,
     devices_per_node: int,
     num_micro_batches: int,
-    stage_options: StageCostFn,
+    stage_options: "StageCostFn | StageOptionGrid",
     device_memory_bytes: float,
     max_stages: int | None = None,
 ) -> tuple[PipelinePlan, StageDPStats]:
@@ -336,7 +428,8 @@ def solve_stage_dp(
         num_nodes: N.
         devices_per_node: M.
         num_micro_batches: B ≥ 1.
-        stage_options: ``(start, end, submesh) -> options``; called once per triple.
+        stage_options: ``(start, end, submesh) -> options``, called once per triple; or a
+            `StageOptionGrid`, read once per submesh.
         device_memory_bytes: memory of one device (``math.inf`` for no limit).
         max_stages: at most this many stages (default: no limit beyond L and N·M).
 
@@ -473,7 +566,7 @@ class _StageTable:
     stage_cap: int
     shapes: tuple[SubmeshShape, ...]
     sizes: np.ndarray  # (num_shapes,) devices per shape
-    options: tuple[StageOption, ...]  # every option returned, flat, in query order
+    options: _Options  # every option returned, flat, in query order
     query_offsets: np.ndarray  # options of query q are options[offsets[q]:offsets[q + 1]]
     option_key: np.ndarray  # (num_options, 3) start, end, shape index
     move_k: np.ndarray
@@ -488,10 +581,28 @@ class _StageTable:
     memory_bytes: float
 
 
-def _build_stage_table(num_layers, num_nodes, devices_per_node, stage_options, memory, cap):
-    shapes = submesh_shapes(num_nodes, devices_per_node)
-    sizes = np.array([s.num_devices for s in shapes], dtype=np.int64)
-    # Queries are numbered in (k, i, m) loop order.
+class _Options(Sequence):
+    """The table's options, flat in query order: their numbers as arrays, and a record
+    for any one of them (the callable's own, or made from a grid's arrays on demand)."""
+
+    def __init__(self, latency_s, param_bytes, act_bytes, record):
+        self.latency_s, self.param_bytes, self.act_bytes = latency_s, param_bytes, act_bytes
+        self._record = record
+
+    def __len__(self) -> int:
+        return int(self.latency_s.size)
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [self._record(i) for i in range(*j.indices(len(self)))]
+        return self._record(int(j))
+
+
+def _queried_options(num_layers, shapes, stage_options) -> tuple[list[int], _Options]:
+    """Every (start, end, submesh) query's options (queries in (k, i, m) order): the
+    number per query and the options, flat."""
+    if isinstance(stage_options, StageOptionGrid):
+        return _grid_options(num_layers, shapes, stage_options)
     results = [stage_options(k, i, shape) for k in range(num_layers)
                for i in range(k, num_layers) for shape in shapes]
     if not set(map(type, results)) <= {list, tuple}:
@@ -501,21 +612,59 @@ def _build_stage_table(num_layers, num_nodes, devices_per_node, stage_options, m
                 results[q] = _as_option_tuple(got, k, i, shapes[m])
     counts = list(map(len, results))  # options per query
     options = list(itertools.chain.from_iterable(results))
-    queries = len(counts)
     if any(not issubclass(t, StageOption) for t in set(map(type, options))):
         bad = next(n for n, o in enumerate(options) if not isinstance(o, StageOption))
         q = int(np.searchsorted(np.cumsum(counts), bad, side="right"))
         k, i, m = _query_triple(q, num_layers, len(shapes))
         _checked_options(options[bad:bad + 1], k, i, shapes[m])  # raises, naming the query
+    n = len(options)
+    return counts, _Options(np.fromiter((o.latency_s for o in options), float, n),
+                            np.fromiter((o.param_bytes for o in options), float, n),
+                            np.fromiter((o.act_bytes for o in options), float, n),
+                            options.__getitem__)
+
+
+def _grid_options(num_layers, shapes, grid: StageOptionGrid) -> tuple[list[int], _Options]:
+    """`_queried_options` from a grid's arrays: the (range, submesh, column) cube, its
+    present entries flattened in query order, then column order."""
+    if grid.num_layers != num_layers:
+        raise ValueError(f"the StageOptionGrid is for {grid.num_layers} layers, the DP for "
+                         f"{num_layers}")
+    cols = [grid.columns_of(shape) for shape in shapes]
+    width = max((len(c.labels) for c in cols), default=0)
+    ranges = num_layers * (num_layers + 1) // 2
+    cube = np.full((3, ranges, len(shapes), width), np.nan)
+    for m, c in enumerate(cols):
+        n = len(c.labels)
+        cube[0, :, m, :n] = c.latency_s
+        cube[1, :, m, :n] = c.param_bytes
+        cube[2, :, m, :n] = c.act_bytes
+    present = ~np.isnan(cube[0])
+    counts = present.sum(axis=2).reshape(-1).tolist()
+    flat = np.flatnonzero(present.reshape(-1))
+    lat, param, act = (cube[a].reshape(-1)[flat] for a in range(3))
+    shape_of, column = np.divmod(flat % (len(shapes) * width), width) if width else (flat, flat)
+    labels = [c.labels for c in cols]
+
+    def record(j: int) -> StageOption:
+        return StageOption(float(lat[j]), float(param[j]), float(act[j]),
+                           labels[shape_of[j]][column[j]])
+
+    return counts, _Options(lat, param, act, record)
+
+
+def _build_stage_table(num_layers, num_nodes, devices_per_node, stage_options, memory, cap):
+    shapes = submesh_shapes(num_nodes, devices_per_node)
+    sizes = np.array([s.num_devices for s in shapes], dtype=np.int64)
+    counts, options = _queried_options(num_layers, shapes, stage_options)
+    queries = len(counts)
     owner = np.repeat(np.arange(queries, dtype=np.int64), counts)
     pair_k, pair_i = _triangle_pairs(num_layers)
     pair, query_m = np.divmod(owner, len(shapes))
     option_key = np.stack([pair_k[pair], pair_i[pair], query_m], axis=1)
 
     n = len(options)
-    lat = np.fromiter((o.latency_s for o in options), float, n)
-    param = np.fromiter((o.param_bytes for o in options), float, n)
-    act = np.fromiter((o.act_bytes for o in options), float, n)
+    lat, param, act = options.latency_s, options.param_bytes, options.act_bytes
     smax = _max_in_flight(param, act, memory, cap)
 
     # Front per query: by latency (then more in flight, then option order); keep an option
@@ -542,7 +691,7 @@ def _build_stage_table(num_layers, num_nodes, devices_per_node, stage_options, m
         stage_cap=cap,
         shapes=shapes,
         sizes=sizes,
-        options=tuple(options),
+        options=options,
         query_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
         option_key=option_key,
         move_k=move_k[sort],
@@ -1046,7 +1195,7 @@ def _infeasible(table: _StageTable) -> NoFeasiblePipelineError:
             "returned nothing for every layer range and submesh containing them; give each "
             "layer at least one option on some submesh"
         )
-    need = np.array([o.param_bytes + o.act_bytes for o in table.options])
+    need = table.options.param_bytes + table.options.act_bytes
     fitting = _covered_layers(L, table.move_k, table.move_j)
     if not fitting.all():
         missing = np.flatnonzero(~fitting)
@@ -1099,8 +1248,8 @@ def _validate(num_layers, num_nodes, devices_per_node, num_micro_batches, stage_
     _check_positive_int(num_micro_batches, "num_micro_batches")
     if not callable(stage_options):
         raise ValueError(
-            f"stage_options must be a callable (start, end, submesh) -> options, got "
-            f"{type(stage_options).__name__}"
+            f"stage_options must be a callable (start, end, submesh) -> options or a "
+            f"StageOptionGrid, got {type(stage_options).__name__}"
         )
     memory = device_memory_bytes
     if isinstance(memory, bool) or not isinstance(memory, numbers.Real) or math.isnan(memory) \
