@@ -236,7 +236,7 @@ class StageOptionGrid:
 
     num_layers: int
     columns: Callable[[SubmeshShape], OptionColumns]
-    _seen: dict = field(default_factory=dict, repr=False)  # checked columns, by submesh
+    _seen: dict = field(default_factory=dict, init=False, repr=False)  # checked, by submesh
 
     def columns_of(self, submesh: SubmeshShape) -> OptionColumns:
         """``columns(submesh)``, checked once (shapes, and finite non-negative values)."""
