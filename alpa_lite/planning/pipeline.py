@@ -1118,8 +1118,8 @@ def _refuse_below_floor(planner: PipelinePlanner, progs, m: int, budget: float,
         par, inp, res = ((prefix[ends + 1] - prefix[starts]) / sub.num_devices).T
         # Only whether some pipeline fits is asked: any positive latency will do.
         latency = (ends - starts + 1) / sub.num_devices
-        zero = np.zeros_like(par)
         if gpipe:
+            zero = np.zeros_like(par)
             return OptionColumns(np.stack([latency, latency], 1),
                                  np.stack([par + (inp + res) * m, par + inp * m + res], 1),
                                  np.stack([zero, zero], 1), ("", ""))

@@ -176,11 +176,6 @@ class StageOption:
             value = getattr(self, field)
             if type(value) is float and 0.0 <= value < math.inf:
                 continue      # the common case, checked fast: the DP makes millions
-            if type(value) is np.float64 and 0.0 <= value < math.inf:
-                # As common (sums read from numpy arrays), and as fast: the abstract-class
-                # check below costs microseconds, millions of times at 1024 GPUs.
-                object.__setattr__(self, field, float(value))
-                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"StageOption.{field} must be a number ({unit}), got {value!r}")
             value = float(value)
@@ -254,8 +249,10 @@ class StageOptionGrid:
 
 
 def range_pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, ends) of every layer range start ≤ end, start-major: `OptionColumns` rows."""
-    return _triangle_pairs(num_layers)
+    """(starts, ends) of every layer range start ≤ end, start-major: `OptionColumns` rows,
+    and the order of the DP's queries (each range, then each submesh)."""
+    k, i = np.triu_indices(num_layers)
+    return k.astype(np.int64), i.astype(np.int64)
 
 
 def _pair_index(start: int, end: int, num_layers: int) -> int:
@@ -659,7 +656,7 @@ def _build_stage_table(num_layers, num_nodes, devices_per_node, stage_options, m
     counts, options = _queried_options(num_layers, shapes, stage_options)
     queries = len(counts)
     owner = np.repeat(np.arange(queries, dtype=np.int64), counts)
-    pair_k, pair_i = _triangle_pairs(num_layers)
+    pair_k, pair_i = range_pairs(num_layers)
     pair, query_m = np.divmod(owner, len(shapes))
     option_key = np.stack([pair_k[pair], pair_i[pair], query_m], axis=1)
 
@@ -772,13 +769,12 @@ class _RangeMinima:
 
 def _query_index(k, i, m, num_layers, num_shapes) -> int:
     """Index of query (k, i, m) in (k, i, m) loop order."""
-    pair = k * num_layers - k * (k - 1) // 2 + (i - k)
-    return pair * num_shapes + m
+    return _pair_index(k, i, num_layers) * num_shapes + m
 
 
 def _query_triple(q, num_layers, num_shapes):
     pair, m = divmod(q, num_shapes)
-    pair_k, pair_i = _triangle_pairs(num_layers)
+    pair_k, pair_i = range_pairs(num_layers)
     return int(pair_k[pair]), int(pair_i[pair]), m
 
 
@@ -796,11 +792,6 @@ def _max_in_flight(param, act, memory, cap):
         one_more = (s < cap) & (param <= memory) & (param + act * (s + 1) <= memory)
         s = np.where(one_more, s + 1, s)
     return s
-
-
-def _triangle_pairs(num_layers):
-    k, i = np.triu_indices(num_layers)
-    return k.astype(np.int64), i.astype(np.int64)
 
 
 # --------------------------------------------------------------------------------------------
