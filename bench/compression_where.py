@@ -4,7 +4,8 @@ For each cluster preset, GPT-1.3B (bf16 on H100, fp16 on V100, Adam) is planned 
 parallelism over every device, without compression and with each exchange method, and with
 `compression=AutoCompression(allow=common_lossy())`, the planner's own choice. Everything
 is the cost model (`cost_models.gradient_sync` on top of the data-parallel plan's ILP
-estimate), from `jax.ShapeDtypeStruct`s: nothing runs.
+estimate; the exact all-reduce in buckets during the backward, only what outlasts it
+counted), from `jax.ShapeDtypeStruct`s: nothing runs.
 
 Expected: on clusters whose links are all fast (NVLink inside nodes, InfiniBand between
 them) the exchange is a small part of the step and "auto" keeps the exact all-reduce; on

@@ -8,7 +8,13 @@ combine threshold, and with the size the planner chose (`Plan.sync_buckets`). Th
 lines of the step do not depend on the bucket size, so a size's step is the plan's step
 with its exposed sync in place of the chosen one.
 
-Part 2 (8 virtual CPU devices, compiled HLO): a 4-layer MLP (four 4 MiB weights, batch
+Part 2 (cost model): the same GPTs with `compression=Dense()`, the per-worker engine that
+issues its full-precision exchange itself, bucket by bucket during the backward: its
+buckets (chosen on the engine's own backward, which runs no other collective), what they
+leave exposed, and the step estimate next to the exchange priced after the backward (the
+estimate before this engine's buckets were priced).
+
+Part 3 (8 virtual CPU devices, compiled HLO): a 4-layer MLP (four 4 MiB weights, batch
 4096) planned for 8xH100, whose chosen buckets are one per weight, compiled here two
 ways: as the data-parallel plan runs (the partitioner places the reductions; XLA:CPU
 combines them into one whatever the plan says), and with a full-precision exchange the
@@ -82,6 +88,23 @@ def model_case(size: str, cluster_name: str, batch: int) -> dict:
             "weighed": [list(w) for w in b.weighed], "plan_s": round(plan_s, 2),
             "peak_memory_gib": plan.peak_memory_bytes / 2**30,
             "fits": plan.peak_memory_bytes <= cluster.device.memory_bytes}
+
+
+def engine_case(size: str, cluster_name: str, batch: int) -> dict:
+    cfg = gpt.CONFIGS[size]
+    tx = optax.adam(1e-4)
+    step = al.parallelize(gpt.make_train_step(cfg, tx), method=al.DataParallel(),
+                          compression=C.Dense())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # fits or not, as part 1 says
+        plan = step.plan(*gpt.abstract_args(cfg, batch, tx),
+                         cluster=al.Cluster.preset(cluster_name))
+    (b,) = plan.sync_buckets
+    c = plan.compression
+    return {"model": f"GPT-{size}", "cluster": cluster_name, "global_batch": batch,
+            "compute_s": c.compute_s, "exchange_s": b.total_s, "exposed_s": b.exposed_s,
+            "bucket_bytes": b.bucket_bytes, "buckets": b.num_buckets,
+            "step_s": c.step_time_s, "after_backward_step_s": c.compute_s + c.dense_sync_s}
 
 
 def _mlp_step(batch: int, width: int, depth: int):
@@ -177,6 +200,15 @@ def main(argv=None) -> None:
            if r["runner_up"]["bucket_bytes"] else "-"),
           "yes" if r["fits"] else f"no ({r['peak_memory_gib']:.0f} GiB)", f"{r['plan_s']:.1f}"]
          for r in cases])
+    engines = [engine_case(*c) for c in (QUICK_CASES if args.quick else CASES)]
+    print_table(
+        "compression=Dense(): the per-worker engine's own buckets (cost model)",
+        [("model", "left"), ("cluster", "left"), ("exchange ms", "right"),
+         ("buckets", "right"), ("exposed ms", "right"), ("step ms", "right"),
+         ("exchange after the backward: step ms", "right")],
+        [[e["model"], e["cluster"], _ms(e["exchange_s"]),
+          f"{e['buckets']} of {_size(e['bucket_bytes'])}", _ms(e["exposed_s"]),
+          _ms(e["step_s"]), _ms(e["after_backward_step_s"])] for e in engines])
     hlo = hlo_case()
     rows = []
     for how in ("partitioner", "runtime"):
@@ -195,7 +227,7 @@ def main(argv=None) -> None:
          ("last backward op", "right"), ("before it", "right")], rows)
     write_result(args.out, {"benchmark": "sync_buckets", "command": command_line(),
                             "when": now_utc(), "machine": machine(), **CODE_AT_START,
-                            "cost_model": cases, "hlo": hlo})
+                            "cost_model": cases, "dense_engine": engines, "hlo": hlo})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from _reference import run_steps as run
 
 import alpa_lite as al
 from alpa_lite import compression as C
-from alpa_lite.plan import Plan
+from alpa_lite.plan import BucketIssue, Plan
 from alpa_lite.runtime.hlo import bytes_by_kind, collectives_in_hlo
 
 
@@ -59,13 +59,15 @@ def mlp_case(hidden=32, batch=64, tx=None):
 @pytest.mark.parametrize("example", ["gpt", "mlp"])
 def test_exact_exchange_matches_jit(example, num_nodes):
     """Dense() through the per-worker runtime equals the undecorated step (rtol 1e-5), on
-    one node, two nodes of four (hierarchical) and eight nodes of one."""
+    one node, two nodes of four and eight nodes of one: issued in buckets, each one
+    all-reduce over every worker (not the lossy methods' hierarchical exchange)."""
     step_fn, args, ref_losses, ref_params = reference_run(example)
     cl = nodes(num_nodes)
     step = al.parallelize(step_fn, method=al.DataParallel(), cluster=cl, compression=C.Dense())
     params, _, losses = run(step, args, STEPS)
     plan = step.plan(*args, cluster=cl)
-    assert plan.compression.hierarchical == (num_nodes == 2)
+    assert not plan.compression.hierarchical
+    assert [b.issue for b in plan.sync_buckets] == [BucketIssue.RUNTIME]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -159,6 +159,73 @@ def test_the_plan_records_its_buckets_and_its_estimate_uses_them():
     assert local.sync_buckets[0].num_buckets == 1 and not local.sync_buckets[0].overlaps
 
 
+def test_the_full_precision_engine_is_priced_by_the_buckets_it_issues():
+    """`compression=Dense()` issues the data-parallel plan's buckets itself during the
+    backward: its estimate is the compute plus what the buckets leave after the backward,
+    not the whole exchange after it; on a cluster that runs collectives in line, the
+    whole exchange. A lossy exchange compresses after the backward and is priced so."""
+    step_fn, args = _mlp_step(**_BIG)
+    gpus = al.Cluster.preset("8xH100")
+    dense = al.parallelize(step_fn, method=al.DataParallel(), compression=C.Dense())
+    plan = dense.plan(*args, cluster=gpus)
+    (b,) = plan.sync_buckets
+    c = plan.compression
+    assert b.issue is BucketIssue.RUNTIME and b.overlaps and 0 < b.exposed_s < b.total_s
+    assert c.sync_s == pytest.approx(b.exposed_s)
+    assert c.step_time_s == pytest.approx(c.compute_s + b.exposed_s)
+    assert c.uncompressed_step_time_s == pytest.approx(c.step_time_s) and c.saved_s == 0
+    assert c.step_time_s < c.compute_s + c.dense_sync_s      # the exchange after the backward
+    assert plan.step_time.hidden[0].seconds == pytest.approx(b.total_s - b.exposed_s)
+    # The engine runs no collective but the exchange: its backward is compute only, and
+    # no more of the exchange hides than that backward lasts.
+    assert b.backward_end_s <= c.compute_s and b.total_s - b.exposed_s <= b.backward_end_s
+    assert "4 all-reduce(s) over all 8 workers" in plan.summary()
+    # A lossy exchange is priced after the backward, against the bucketed baseline.
+    lossy = al.parallelize(step_fn, method=al.DataParallel(),
+                           compression=C.TopK(ratio=0.01)).plan(*args, cluster=gpus)
+    assert lossy.sync_buckets == () and lossy.compression.uncompressed_step_time_s == \
+        pytest.approx(c.step_time_s)
+    assert lossy.compression.step_time_s == pytest.approx(
+        lossy.compression.compute_s + lossy.compression.sync_s)
+    # In line (CPU cluster): one bucket, all of it after the backward.
+    local = dense.plan(*args, cluster=al.Cluster.local()).compression
+    assert local.sync_s == pytest.approx(local.dense_sync_s, rel=0.2)
+
+
+def test_full_precision_buckets_run_over_every_worker_of_several_nodes():
+    """On two nodes a bucketed Dense() exchange is one all-reduce per bucket over all the
+    workers (not the hierarchical reduce-scatter / all-reduce / all-gather of the lossy
+    exchanges), and the step computes what jax.jit computes."""
+    step_fn, args = _mlp_step(batch=64, widths=(32, 48, 64, 80, 16))
+    two_nodes = al.Cluster.of_gpus("H100", num_nodes=2, devices_per_node=4)
+    step = al.parallelize(step_fn, method=al.DataParallel(), compression=C.Dense())
+    plan = step.plan(*args, cluster=two_nodes)
+    (b,) = plan.sync_buckets
+    assert b.issue is BucketIssue.RUNTIME and not plan.compression.hierarchical
+    # Cut the planner's one bucket in two, as above, to see each issued on its own.
+    names = [n for k in b.buckets for n in k.grads]
+    sizes = {g.param: g.nbytes for g in plan.gradient_sync}
+    two = dataclasses.replace(b, buckets=tuple(
+        SyncBucket(tuple(h), sum(sizes[n] for n in h), 0.0, 0.0)
+        for h in (names[:2], names[2:])))
+    plan = dataclasses.replace(plan, step_time=dataclasses.replace(plan.step_time,
+                                                                   sync_buckets=(two,)))
+    exe = compile_plan(plan, step.program(plan, *args), jax.devices())
+    real = _zeros(args)
+    text = exe.hlo(*real)
+    grads = [op for op in entry_schedule(text) if op.opcode == "all-reduce" and op.nbytes > 16]
+    assert [op.nbytes for op in grads] == [k.nbytes for k in two.buckets]
+    # Each over all eight workers: one replica group of every device.
+    for op in grads:
+        line = next(x for x in text.splitlines() if f"{op.name} = " in x)
+        assert "replica_groups={{0,1,2,3,4,5,6,7}}" in line or \
+            "replica_groups=[1,8]<=[8]" in line, line
+    out = exe(*real)
+    ref = jax.jit(step_fn)(*real)
+    for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
 def test_a_bucket_names_each_gradient_once():
     with pytest.raises(ValueError, match="more than one bucket"):
         SyncBuckets(0, MiB, (SyncBucket(("a",), 4, 0.0, 1.0), SyncBucket(("a",), 4, 1.0, 2.0)),

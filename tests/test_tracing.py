@@ -107,3 +107,28 @@ def test_reshape_labels_carry_the_major_split(src, dst, ok):
     assert (labels is not None) == ok
     shared = set(labels.operands[0]) & set(labels.outputs[0]) - labels.fixed
     assert labels.operands[0][0] in shared   # the leading dimension's split carries over
+
+
+def test_gradient_leaves_name_the_gradients_after_dead_code_is_dropped():
+    """`TracedStep.grad_leaves` holds tensor ids, which dead-code elimination renumbers:
+    each leaf must still be its parameter's gradient (same shape, role GRAD), in the
+    order the gradient pytree flattens. GPT's step leaves dead equations (a jvp's unused
+    tangent seeds), so the ids do move."""
+    import gpt
+    import optax
+
+    import alpa_lite as al
+    from alpa_lite.ir.graph import Role
+
+    cfg = gpt.CONFIGS["tiny"]
+    tx = optax.adamw(1e-3)
+    step = al.parallelize(gpt.make_train_step(cfg, tx), method=al.DataParallel())
+    args = gpt.abstract_args(cfg, 8, tx)
+    traced = step.trace(*args)
+    (leaves,) = traced.grad_leaves
+    params = jax.tree.leaves(args[0])
+    assert len(leaves) == len(params)
+    for t, p in zip(leaves, params):
+        tensor = traced.graph.tensors[t]
+        assert tensor.role is Role.GRAD and tuple(tensor.shape) == tuple(p.shape)
+    assert len(set(leaves)) == len(leaves) == len(traced.graph.tensors_with_role(Role.GRAD))

@@ -72,7 +72,8 @@ class TracedStep:
     # The shape of each `random_bits` equation, in trace order (see `trace_flat`).
     draw_shapes: tuple[tuple[int, ...], ...] = ()
     # Per `al.value_and_grad` call, in trace order: the tensor id of each gradient leaf in
-    # the order the gradient pytree flattens (None for a leaf that is a literal). Tensor ids
+    # the order the gradient pytree flattens (None for a leaf that is a literal, or that
+    # nothing reads and dead-code elimination dropped). Tensor ids
     # follow creation, i.e. the backward's order, not the pytree's: an engine that handles
     # gradient leaves itself (`runtime.compressed`) maps them to the plan's names by this.
     grad_leaves: tuple[tuple[int | None, ...], ...] = ()
@@ -648,6 +649,10 @@ def _eliminate_dead_code(b: _Builder, input_ids: list[int], output_ids: list[int
     b.literals = {(node_map[n], p): v for (n, p), v in b.literals.items() if n in node_map}
     b.consts = {tensor_map[t]: v for t, v in b.consts.items() if t in tensor_map}
     b.roles = {tensor_map[t]: r for t, r in b.roles.items() if t in tensor_map}
+    # A gradient leaf nothing reads is dropped with its operators: like a literal leaf, it
+    # needs no exchange (None).
+    b.grad_leaves = [tuple(tensor_map.get(t) if t is not None else None for t in call)
+                     for call in b.grad_leaves]
     b.nodes = nodes
     if boundaries is not None:
         # A boundary before old node i sits before the first kept node at or after i.

@@ -232,8 +232,10 @@ class CompressionSpec:
     """How a data-parallel plan exchanges its gradients (alpa_lite.runtime.compressed).
 
     Every device is a worker holding all parameters. With more than one node the exchange
-    is hierarchical: full precision inside a node (`intra_axis`), `exchange` between nodes
-    (`axis`); on one node `exchange` runs among its devices.
+    is hierarchical: full precision inside a node (axis "local"), `exchange` between nodes
+    (`axis`); on one node `exchange` runs among its devices. A full-precision exchange
+    with buckets in the plan (`Plan.sync_buckets`) runs one all-reduce per bucket over
+    every worker instead (`hierarchical` False).
     """
     exchange: dict                  # the method's config (alpa_lite.compression.to_config)
     description: str

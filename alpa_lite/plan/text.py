@@ -35,7 +35,12 @@ def plan_summary(plan, max_rows: int = 40) -> str:
     console.print(f"alpa_lite plan  method={describe(plan.method)}  cluster={plan.cluster_name}")
     if plan.compression is not None:
         c = plan.compression
-        where = (f"between {c.num_workers} nodes, full precision inside each node"
+        buckets = plan.sync_buckets_of(0)
+        workers = len(plan.stages[0].devices)
+        where = (f"{buckets.num_buckets} all-reduce(s) over all {workers} workers, each "
+                 f"issued as its bucket's gradients exist ({fmt_time(buckets.exposed_s)} of "
+                 f"{fmt_time(buckets.total_s)} after the backward)" if buckets is not None
+                 else f"between {c.num_workers} nodes, full precision inside each node"
                  if c.hierarchical else f"over the {c.num_workers} workers of axis {c.axis}")
         console.print(f"estimated step {fmt_time(c.step_time_s)} = compute "
                       f"{fmt_time(c.compute_s)} + gradient exchange {fmt_time(c.sync_s)}"

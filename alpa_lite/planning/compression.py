@@ -15,13 +15,14 @@ method between nodes). It keeps:
 
 The result is a `Plan` whose `compression` says what runs and what it saves.
 
-A full-precision exchange on one level (`Dense()`, one node or one device per node) is
-issued by the runtime in buckets, in the order the backward forms the gradients: the
-data-parallel plan's buckets (`Plan.sync_buckets`, chosen by its cost model for the same
-all-reduces over every device), re-issued by the runtime (`BucketIssue.RUNTIME`). The
-estimate still prices that exchange after the backward, as every compressed exchange
-(conservative where collectives overlap compute: on GPUs the buckets can run under the
-backward).
+A full-precision exchange (`Dense()`) is issued by the runtime in buckets, in the order the
+backward forms the gradients, each one all-reduce over every worker (`Plan.sync_buckets`,
+`BucketIssue.RUNTIME`). The buckets are chosen on the engine's own step: the
+data-parallel plan's compute, no collective but the exchange (`worker_buckets`); the
+estimate is theirs: only what outlasts the backward is on the step's path (on a cluster
+that runs collectives in line, all of it). A lossy exchange compresses after the backward
+and is priced so (`cost_models.gradient_sync`), delayed averaging and local SGD as that
+module says.
 
 Local SGD exchanges the parameters (float32) once every H steps and no gradient: its
 `sync_s`, `wire_bytes` and step time are per step, the exchange amortized over H steps
@@ -55,15 +56,16 @@ from alpa_lite.plan import (
     CompressionSpec,
     GradientSync,
     Plan,
-    SyncBucket,
     SyncBuckets,
     SyncCollective,
 )
 from alpa_lite.plan.methods import Auto, DataParallel, Manual
-from alpa_lite.plan.sharding import itemsize
+from alpa_lite.plan.sharding import CommModel, LogicalMesh, itemsize
 from alpa_lite.plan.text import fmt_bytes, fmt_time
 from alpa_lite.plan.timing import StepTime, TimeKind, TimeLine
-from alpa_lite.planning.spmd import make_plan
+from alpa_lite.planning.gradient_sync import sync_buckets, worker_timeline
+from alpa_lite.planning.intra_op import StageResult
+from alpa_lite.planning.spmd import make_plan, plan_with_result
 
 
 def exchange_axis(cluster: Cluster) -> tuple[str, int, bool]:
@@ -150,7 +152,7 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
     if isinstance(method, DataParallel) and method.shard_optimizer_state:
         raise PlanningError("gradient compression needs every worker to hold the whole "
                             "optimizer state; use DataParallel() without ZeRO")
-    dp_plan = make_plan(traced, DataParallel(), cluster, tensor_names=tensor_names)
+    dp_plan, dp_result = plan_with_result(traced, DataParallel(), cluster, tensor_names)
     leaves = gradient_leaves(traced)
     if not leaves:
         raise PlanningError("the step has no gradient (al.value_and_grad / al.grad): "
@@ -167,12 +169,22 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
     else:
         options = [compression]
     dense = gradient_sync(cluster, leaves, C.Dense(), dtype)
+    # The full-precision exchange goes out in buckets, each as soon as its gradients
+    # exist: only what outlasts the backward is on the step's path.
+    buckets = worker_buckets(traced, dp_plan, dp_result, cluster)
+
+    def step_of(option, sync) -> float:
+        if option == C.Dense() and buckets is not None:
+            return compute + buckets.exposed_s
+        delay, _ = _split(option)
+        return step_time(compute, sync, delay, _every(option))
+
     rows = []
     for option in options:
-        delay, exchange = _split(option)
+        _, exchange = _split(option)
         sync = gradient_sync(cluster, _exchanged(option, leaves), exchange, dtype)
         memory = dp_plan.peak_memory_bytes + state_bytes(option, leaves, cluster)
-        rows.append((option, sync, step_time(compute, sync, delay, _every(option)), memory))
+        rows.append((option, sync, step_of(option, sync), memory))
     pool = [r for r in rows if r[3] <= budget] or rows     # what fits, else everything
     option, sync, step, memory = min(pool, key=lambda r: r[2])
     dense_row = rows[0]
@@ -200,15 +212,18 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
     axis, workers, hierarchical = exchange_axis(cluster)
     delay, exchange = _split(option)
     every = _every(option)      # local SGD: per-step figures amortize one exchange
+    bucketed = option == C.Dense() and buckets is not None
     description = (_local_sgd_description(option, compute, sync, dense)
                    if isinstance(option, C.LocalSGD) else _label(option))
     spec = CompressionSpec(
         exchange=C.to_config(option), description=description, axis=axis,
-        num_workers=workers, hierarchical=hierarchical, delay=delay, loss_scale=loss_scale,
-        wire_bytes=sync.wire_bytes / every, dense_wire_bytes=dense.dense_wire_bytes,
-        sync_s=max(step - compute - sync.compress_s, 0.0) if delay else sync.total_s / every,
+        num_workers=workers, hierarchical=hierarchical and not bucketed, delay=delay,
+        loss_scale=loss_scale, wire_bytes=sync.wire_bytes / every,
+        dense_wire_bytes=dense.dense_wire_bytes,
+        sync_s=(buckets.exposed_s if bucketed else
+                max(step - compute - sync.compress_s, 0.0) if delay else sync.total_s / every),
         dense_sync_s=dense.total_s, compute_s=compute, step_time_s=step,
-        uncompressed_step_time_s=step_time(compute, dense), candidates=candidates)
+        uncompressed_step_time_s=step_of(C.Dense(), dense), candidates=candidates)
     # What runs: the step per worker, no collective of the data-parallel plan; each
     # gradient leaves through the exchange once per step.
     est = dp_plan.stages[0].memory
@@ -220,49 +235,42 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
     total = sum(leaf.numel * leaf.itemsize for leaf in leaves) or 1
     grads = traced.graph.tensors_with_role(Role.GRAD)
     names = tensor_names or {}
+    # The buckets' all-reduces span both of the engine's axes ("node", "local").
+    sizes = (("node", cluster.num_nodes), ("local", cluster.devices_per_node))
+    axes = tuple(a for a, n in sizes if n > 1) if bucketed else (axis,)
     records = tuple(GradientSync(
         param=names.get(t.id, t.name), stage=0, accumulation=Accumulation.SINGLE,
-        axes=(axis,), collective=SyncCollective.COMPRESSED, compressor=_label(option),
+        axes=axes, collective=SyncCollective.COMPRESSED, compressor=_label(option),
         nbytes=int(t.nbytes), count=1, time_s=spec.sync_s * t.nbytes / total) for t in grads)
-    # The exchange runs after the step's backward (runtime.compressed), or overlaps the
-    # next step when delayed: `step` already says how much of it the step waits for.
-    buckets = ()
-    if option == C.Dense() and not hierarchical:
-        dp_buckets = dp_plan.sync_buckets_of(0)
-        if dp_buckets is not None:
-            buckets = (runtime_buckets(dp_buckets, traced),)
+    # A lossy exchange runs after the step's backward (runtime.compressed), or overlaps
+    # the next step when delayed; the full-precision one in buckets during the backward:
+    # `step` already says how much of it the step waits for.
+    hidden = (TimeLine(TimeKind.GRADIENT_SYNC, buckets.total_s - buckets.exposed_s,
+                       "buckets reduced under the backward"),) \
+        if bucketed and buckets.total_s > buckets.exposed_s else ()
     breakdown = StepTime(lines=(
         TimeLine(TimeKind.COMPUTE, compute, "the step per worker on its share of the batch"),
-        TimeLine(TimeKind.COMPRESSION, step - compute, _label(option))),
-        sync_buckets=buckets)
+        TimeLine(TimeKind.COMPRESSION, step - compute, _label(option))), hidden=hidden,
+        sync_buckets=(buckets,) if bucketed else ())
     return dataclasses.replace(dp_plan, method=method, stages=(stage,),
                                compression=spec, gradient_sync=records, step_time=breakdown)
 
 
-def runtime_buckets(dp_buckets: SyncBuckets, traced: TracedStep) -> SyncBuckets:
-    """The data-parallel plan's buckets for the runtime to issue itself, covering every
-    gradient leaf of the step's `al.value_and_grad` (a literal leaf needs no collective).
-    A gradient the data-parallel plan reduces with no collective (its partial sums never
-    formed, e.g. a parameter used only on data every device holds whole) has no formation
-    time: such gradients go last, in one more bucket, timed at the backward's end (the
-    data-parallel plan prices no reduction for them)."""
+def worker_buckets(traced: TracedStep, dp_plan: Plan, dp_result: StageResult,
+                   cluster: Cluster) -> SyncBuckets | None:
+    """The buckets the per-worker engine issues a full-precision exchange in: the
+    data-parallel plan's compute (batch split, weights whole) with no collective but one
+    all-reduce of each gradient leaf of the step's `al.value_and_grad` over every worker
+    (`planning.gradient_sync.worker_timeline`), at the size that leaves the least exposed.
+    None where no gradient leaf is exchanged (literals only)."""
     graph = traced.graph
     leaves = [t for call in traced.grad_leaves for t in call if t is not None]
-    named = {n for b in dp_buckets.buckets for n in b.grads}
-    rest, seen = [], set()
-    for t in leaves:
-        name = graph.tensors[t].name
-        if name not in named and name not in seen:
-            rest.append(name)
-            seen.add(name)
-    buckets = dp_buckets.buckets
-    if rest:
-        nbytes = sum(int(graph.tensors[t].nbytes) for t in set(leaves)
-                     if graph.tensors[t].name in seen)
-        buckets += (SyncBucket(tuple(rest), nbytes, dp_buckets.backward_end_s,
-                               max(dp_buckets.backward_end_s, buckets[-1].end_s if buckets
-                                   else 0.0)),)
-    return dataclasses.replace(dp_buckets, buckets=buckets, issue=BucketIssue.RUNTIME)
+    stage = dp_plan.stages[0]
+    comm = CommModel(cluster, LogicalMesh(stage.mesh_shape, stage.axis_names))
+    overlaps = cluster.overlaps_collectives()
+    timeline = worker_timeline(graph, dp_result, leaves, comm, overlaps)
+    return sync_buckets(timeline, {t.id: t.name for t in graph.tensors}, 0,
+                        BucketIssue.RUNTIME, overlaps)
 
 
 def refuse_double_momentum(compression, opt_state_tensors: Iterable[Any],

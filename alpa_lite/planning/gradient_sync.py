@@ -425,6 +425,41 @@ def backward_timeline(graph: OpGraph, result: StageResult, grad_tids: Sequence[i
                             reduced=tuple(tuple(op_grads[(node, id(op))]) for node, op in ops))
 
 
+def worker_timeline(graph: OpGraph, result: StageResult, grad_tids: Sequence[int],
+                    comm: CommModel, overlaps: bool) -> BackwardTimeline:
+    """The step as the per-worker engine runs it (`runtime.compressed` with a
+    full-precision exchange): `result`'s operators, each its compute only (the engine runs
+    no collective of the plan), and one all-reduce of each gradient in `grad_tids` over
+    every axis of `comm`'s mesh, formed when its producer ends; bucketed at the size that
+    leaves the least exposed (`cost_models.overlap.choose_bucket_bytes`). A gradient no
+    operator produces is formed at the start."""
+    clock, ends = 0.0, []
+    for node in graph.nodes:
+        clock += result.node_compute_s[node.id]
+        ends.append(clock)
+    axes = tuple(a for a, n in zip(comm.mesh.axis_names, comm.mesh.shape) if n > 1)
+    grads = list(dict.fromkeys(grad_tids))
+    producers = [graph.producer(t) for t in grads]
+    formed_at = [ends[p] if p is not None else 0.0 for p in producers]
+    last = max((p for p in producers if p is not None), default=-1)
+    backward_end = ends[last] if last >= 0 else 0.0
+    update = sum(result.node_compute_s[i] for i in range(last + 1, len(graph.nodes)))
+    latency = comm.all_reduce(1, axes) if axes else 0.0
+    formed = []
+    for t, at in zip(grads, formed_at):
+        took = comm.all_reduce(graph.tensors[t].nbytes, axes) if axes else 0.0
+        formed.append(FormedGradient(at, graph.tensors[t].nbytes, took, min(took, latency)))
+    common = dict(compute_s=float(sum(result.node_compute_s)), intra_op_s=0.0,
+                  update_s=update, backward_end_s=backward_end)
+    if not formed:
+        return BackwardTimeline(sync=SyncOverlap(total_s=0.0, exposed_s=0.0, buckets=0),
+                                reductions=0, **common)
+    choice = choose_bucket_bytes(formed, backward_end, overlaps)
+    return BackwardTimeline(sync=choice.chosen.sync, reductions=len(formed),
+                            schedule=choice.chosen, choice=choice,
+                            reduced=tuple((t,) for t in grads), **common)
+
+
 def sync_buckets(timeline: BackwardTimeline, names: Mapping[int, str], stage: int,
                  issue: BucketIssue, overlaps: bool) -> SyncBuckets | None:
     """The Plan's record of `timeline`'s buckets (None where nothing is reduced).

@@ -223,6 +223,14 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
     """Plans `traced` for `cluster` with `method`. See the module docstring.
 
     `progress` is told of each intra-op problem solved (`alpa_lite.progress`)."""
+    return plan_with_result(traced, method, cluster, tensor_names, progress)[0]
+
+
+def plan_with_result(traced: TracedStep, method: Method, cluster: Cluster,
+                     tensor_names: Mapping[int, str] | None = None,
+                     progress: Progress | None = None) -> tuple[Plan, StageResult]:
+    """`make_plan`'s plan and the chosen stage's intra-op result (per-operator costs), for
+    a planner that prices another engine running the same operators."""
     graph = traced.graph
     n = cluster.num_devices
     if isinstance(method, DataParallel):
@@ -344,7 +352,7 @@ def make_plan(traced: TracedStep, method: Method, cluster: Cluster,
                 stages=(best.stage,), unsharded_primitives=best.unsharded_primitives,
                 stats=stats, explanation=explanation,
                 gradient_sync=single_stage_sync(graph, best, best_mesh, tensor_names or {}),
-                step_time=times[id(best)], notes=traced.notes)
+                step_time=times[id(best)], notes=traced.notes), best
 
 
 def _manual_candidate(graph: OpGraph, dp: int, tp: int, cluster: Cluster,

@@ -13,10 +13,11 @@ call (`al.value_and_grad`) goes through a `markers.GradientHook` that
 4. scales the sum like the loss (`loss_scale`: 1/n for a mean loss) and hands the step the
    global loss and gradient, so the optimizer update is the one the user wrote.
 
-A full-precision exchange on one level (`Dense()`, one node or one device per node) with
-buckets in the plan (`Plan.sync_buckets`, `BucketIssue.RUNTIME`) is issued bucket by
-bucket, in the plan's order: each bucket's gradients are flattened into one buffer (per
-dtype) and summed by one all-reduce, as DDP's buckets are. An all-reduce depends on its
+A full-precision exchange (`Dense()`) with buckets in the plan (`Plan.sync_buckets`,
+`BucketIssue.RUNTIME`) is issued bucket by bucket, in the plan's order: each bucket's
+gradients are flattened into one buffer (per dtype) and summed by one all-reduce over
+every worker (both mesh axes: on several nodes the collective library's own all-reduce,
+as the cost model prices it), as DDP's buckets are. An all-reduce depends on its
 bucket's gradients and (through an `optimization_barrier`, which holds no compute back)
 on the previous bucket's all-reduce, so the collectives run as one stream in the planned
 order and XLA schedules each as soon as both exist, between the backward's remaining
@@ -253,12 +254,11 @@ class CompressedExecutable:
         if b is None:
             return None, ()
         if b.issue is not BucketIssue.RUNTIME or self.method != C.Dense() or self.delay or \
-                self.local_sgd is not None or (self.num_nodes > 1 and self.local > 1):
+                self.local_sgd is not None:
             raise PlanMismatchError(
                 f"the plan buckets the gradient exchange ({b.issue.value}), which this "
-                "engine issues itself only for a full-precision exchange (Dense()) on one "
-                f"level; the plan exchanges with {self.spec.description!r} over "
-                f"{self.num_nodes} node(s) x {self.local}: plan again")
+                "engine issues itself only for a synchronous full-precision exchange "
+                f"(Dense()); the plan exchanges with {self.spec.description!r}: plan again")
         if len(traced.grad_leaves) != 1:
             raise PlanMismatchError(f"the plan buckets the gradient of one al.value_and_grad "
                                     f"call; this step makes {len(traced.grad_leaves)}")
