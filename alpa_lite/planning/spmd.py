@@ -262,7 +262,7 @@ def plan_with_result(traced: TracedStep, method: Method, cluster: Cluster,
         except PlanningError as e:
             res = plan_stage(graph, mesh, cluster, manual_options)
             warnings.warn(f"{method!r} does not fit cluster {cluster.name!r}: {e}",
-                          stacklevel=3)
+                          stacklevel=4)
         results.append((mesh, res))
         report(progress, ILPS, 1, 1)
     elif isinstance(method_m, Auto):
@@ -328,7 +328,7 @@ def plan_with_result(traced: TracedStep, method: Method, cluster: Cluster,
     if best.unsharded_primitives:
         warnings.warn(f"no sharding rule for {', '.join(best.unsharded_primitives)}: these "
                       "operators run replicated on every device (correct, but not split)",
-                      stacklevel=3)
+                      stacklevel=4)
     stats = PlanningStats(
         build_s=sum(r.build_s for _, r in results), solve_s=sum(r.solve_s for _, r in results),
         nodes_before_merge=best.nodes_before_merge, nodes_after_merge=best.nodes_after_merge,
