@@ -160,8 +160,7 @@ def test_the_plan_records_its_buckets_and_its_estimate_uses_them():
 
 
 def test_the_full_precision_engine_is_priced_by_the_buckets_it_issues():
-    """`compression=Dense()` issues the data-parallel plan's buckets itself during the
-    backward: its estimate is the compute plus what the buckets leave after the backward,
+    """`compression=Dense()` issues its own buckets during the backward: its estimate is the compute plus what the buckets leave after the backward,
     not the whole exchange after it; on a cluster that runs collectives in line, the
     whole exchange. A lossy exchange compresses after the backward and is priced so."""
     step_fn, args = _mlp_step(**_BIG)

@@ -1,9 +1,14 @@
-"""Tracing: nested calls inlined, loops kept whole, FLOPs counted from shapes."""
+"""Tracing: nested calls inlined, loops kept whole, FLOPs counted from shapes, gradient
+leaves kept on their tensors."""
 
+import gpt
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
+import alpa_lite as al
+from alpa_lite.ir.graph import Role
 from alpa_lite.ir.op_rules import dim_labels, enumerate_assignments
 from alpa_lite.ir.tracing import trace
 
@@ -114,12 +119,6 @@ def test_gradient_leaves_name_the_gradients_after_dead_code_is_dropped():
     each leaf must still be its parameter's gradient (same shape, role GRAD), in the
     order the gradient pytree flattens. GPT's step leaves dead equations (a jvp's unused
     tangent seeds), so the ids do move."""
-    import gpt
-    import optax
-
-    import alpa_lite as al
-    from alpa_lite.ir.graph import Role
-
     cfg = gpt.CONFIGS["tiny"]
     tx = optax.adamw(1e-3)
     step = al.parallelize(gpt.make_train_step(cfg, tx), method=al.DataParallel())
