@@ -251,8 +251,17 @@ class ParallelizedStep:
             plan_textbook=pipeline_plan,
             textbook_floor=self._layout_floor(args, cluster, pool, budget),
             num_devices=cluster.num_devices, devices_per_node=cluster.devices_per_node,
-            budget_bytes=budget)
+            budget_bytes=budget, forget=self._forgetter(args, pool))
         return search_auto(self.method, _batch_size(traced), space, progress)
+
+    def _forgetter(self, args, pool: PlannerPool):
+        """Drops the split of the step into m micro-batches and its planners (a later call
+        splits it again)."""
+        def forget(m: int) -> None:
+            parts = self._parts.pop((self._signature(args), m), None)
+            if parts is not None:
+                pool.forget(parts)
+        return forget
 
     def _layout_floor(self, args, cluster: Cluster, pool: PlannerPool, budget: float):
         """The least peak memory per device of any plan of a Manual layout of this step

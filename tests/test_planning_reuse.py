@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import alpa_lite as al
+from alpa_lite import api
 from alpa_lite.ir.step_parts import local_forward, stage_program
 from alpa_lite.plan.sharding import LogicalMesh
 from alpa_lite.planning import intra_op, pipeline
@@ -259,10 +260,11 @@ def test_a_count_whose_memory_floors_fit_no_pipeline_is_refused_before_any_ilp(m
     assert not built
 
 
-def _fake_count_search(real, outcome, num_devices: int):
+def _fake_count_search(real, outcome, num_devices: int, forgotten=None):
     """A search space whose pipeline of m micro-batches is `real` with the step time and
     stages `outcome(m)` gives, or the exception it returns raised (the single stage and
-    the textbook layouts never fit); and the list of the counts it planned, in order."""
+    the textbook layouts never fit); and the list of the counts it planned, in order.
+    `forgotten`, if given, collects the counts the search lets go of."""
     planned = []
 
     def plan_pipelined(m):
@@ -282,7 +284,8 @@ def _fake_count_search(real, outcome, num_devices: int):
     space = SearchSpace(plan_single=refuse, plan_pipelined=plan_pipelined,
                         plan_textbook=refuse, textbook_floor=lambda layout: 2.0,
                         num_devices=num_devices, devices_per_node=num_devices,
-                        budget_bytes=1.0)
+                        budget_bytes=1.0,
+                        forget=(forgotten.append if forgotten is not None else lambda m: None))
     return space, planned
 
 
@@ -313,6 +316,46 @@ def test_the_count_walk_goes_past_a_local_optimum_that_recomputes():
     planned.clear()
     assert search_auto(al.Auto(), 1024, space).pipeline.num_micro_batches == 128
     assert 512 not in planned
+
+
+def test_the_search_holds_the_work_of_its_best_count_only(monkeypatch):
+    """Each count's planning work (traces, stage programs, layer solutions) is let go of
+    once the count is planned and not the fastest so far, so memory holds two counts'
+    work, not every count's: every count planned but the best is forgotten, once, and the
+    best never; the walk's answer is the same."""
+    real = _step(al.Manual(dp=2, tp=1, pp=2, num_micro_batches=2)).plan(
+        *_args(), cluster=FOUR_H100)
+    table = {128: (57.08, True), 256: (58.81, True), 512: (56.23, False),
+             1024: (60.94, False)}
+
+    def outcome(m):
+        if m not in table:
+            return al.MemoryBudgetError(f"{m} micro-batches do not fit", 2.0)
+        t, remat = table[m]
+        return t, tuple(dataclasses.replace(st, remat=remat) for st in real.stages)
+
+    forgotten = []
+    space, planned = _fake_count_search(real, outcome, num_devices=4, forgotten=forgotten)
+    plan = search_auto(al.Auto(), 1024, space)
+    assert plan.pipeline.num_micro_batches == 512
+    assert sorted(forgotten) == sorted(set(planned) - {512})
+    assert len(forgotten) == len(set(forgotten))
+
+    # Through the API: after Auto() plans, the step holds the split of its best pipelined
+    # count only; asking for another count's split traces it again.
+    step = _step(al.Auto())
+    made = step.plan(*_args(), cluster=FOUR_H100)
+    pipes = {int(a.label.split()[1]): a.time_s for a in made.explanation.alternatives
+             if a.kind == "plan" and a.label.startswith("pipeline,") and a.fits}
+    assert len(pipes) > 1
+    best = min(pipes, key=pipes.get)
+    splits = []
+    real_split = api.split_step
+    monkeypatch.setattr(api, "split_step", lambda *a, **k: splits.append(a[3]) or
+                        real_split(*a, **k))
+    for m in pipes:
+        step.parts(*_args(), num_micro_batches=m)
+    assert sorted(splits) == sorted(set(pipes) - {best})
 
 
 def test_the_count_walk_steps_over_refused_counts_and_plans_every_larger_micro_batch():

@@ -27,7 +27,10 @@ the first over the budget (memory only grows as m falls; a count refused for mem
 costs a trace and the floor DP, no ILP). A count the model refuses (a group norm whose
 groups do not divide the micro-batch) is stepped over, not a wall. Every count planned is
 in the plan's explanation (kind "plan"), so a user sees what was weighed;
-`Auto(num_micro_batches=m)` plans exactly m.
+`Auto(num_micro_batches=m)` plans exactly m. Each count's planning work (its traces,
+stage programs and layer solutions) is let go of (`SearchSpace.forget`) once the count is
+planned and not the fastest so far: only the fastest count is planned again (its Megatron
+layouts), and memory holds two counts' work instead of every count's.
 """
 
 from __future__ import annotations
@@ -79,6 +82,10 @@ class SearchSpace:
     num_devices: int
     devices_per_node: int
     budget_bytes: float
+    # Drops what planning m micro-batches kept for later candidates of that count (its
+    # traces, stage programs and layer solutions), once the search no longer needs it:
+    # memory then holds two counts' work, not every count's.
+    forget: Callable[[int], None] = lambda m: None
 
 
 def search_auto(method: Auto, batch: int | None, space: SearchSpace,
@@ -112,6 +119,7 @@ def search_auto(method: Auto, batch: int | None, space: SearchSpace,
                                      getattr(e, "peak_bytes", math.inf)))
         tick()
     pipelined: dict[int, Candidate] = {}
+    kept: set[int] = set()     # counts whose planning work is still held
 
     def pipeline(m: int) -> float:
         if m not in pipelined:
@@ -125,6 +133,13 @@ def search_auto(method: Auto, batch: int | None, space: SearchSpace,
                                          isinstance(e, MemoryBudgetError),
                                          getattr(e, "peak_bytes", math.inf), micro_batches=m)
             tick()
+            # Only the fastest count so far may be planned again (its Megatron layouts).
+            kept.add(m)
+            best = min((c for c in pipelined.values() if c.plan is not None),
+                       key=lambda c: c.time_s, default=None)
+            for done in sorted(kept - {best.micro_batches if best else None}):
+                space.forget(done)
+                kept.discard(done)
         return pipelined[m].time_s
 
     refusal = ""

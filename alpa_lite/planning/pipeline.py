@@ -586,6 +586,11 @@ class PlannerPool:
     def __init__(self):
         self.planners: dict[tuple, PipelinePlanner] = {}
 
+    def forget(self, parts: StepParts) -> None:
+        """Drops the planners of `parts` (every setting), and what they hold."""
+        for key in [k for k in self.planners if k[0] == id(parts)]:
+            del self.planners[key]
+
     def planner(self, parts: StepParts, cluster: Cluster, solver, time_limit_s: float,
                 names: Mapping[int, str], progress: Progress | None, exhaustive: bool,
                 split_batch: bool) -> PipelinePlanner:
