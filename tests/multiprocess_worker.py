@@ -18,7 +18,8 @@ and restore: every job start imports JAX and joins the processes again).
   and writes the next step's loss and the restored leaves' process sets. After a `train`
   of the same example and method in this job it restores onto the step that trained (its
   plan made and compiled already), as a job resuming from a checkpoint does.
-- calibrate: `alpa_lite.tools.calibrate.calibrate(quick=True)`; each process writes the cluster
+- calibrate: `alpa_lite.tools.calibrate.calibrate(quick=True)` (repeated where the box's load
+  made the timings too noisy to fit, as its error says to); each process writes the cluster
   it got to OUT_DIR/cluster_p<process>.json.
 - forever: trains the MLP with DataParallel, saving a checkpoint after step 2, and prints
   "step <i>" until it is killed (the fault test kills one process).
@@ -146,7 +147,18 @@ def run(mode: str, rest: list[str]) -> None:
             restore(pathlib.Path(rest[0]), pathlib.Path(rest[1]), *item.split(":"))
     elif mode == "calibrate":
         from alpa_lite.tools.calibrate import calibrate
-        cluster, _ = calibrate(quick=True)
+        # Two processes of four devices share the 2-core machine with the rest of the
+        # suite, and a loaded box can time a larger collective no slower than a smaller
+        # one; calibration then refuses to fit and says to repeat the noisy timings, which
+        # this does (at most twice). Every process fits process 0's timings, so all raise
+        # and repeat together.
+        for attempt in range(3):
+            try:
+                cluster, _ = calibrate(quick=True)
+                break
+            except ValueError as e:
+                if "repeat noisy ones" not in str(e) or attempt == 2:
+                    raise
         (pathlib.Path(rest[0]) / f"cluster_p{jax.process_index()}.json").write_text(
             cluster.to_json())
     elif mode == "forever":
