@@ -306,11 +306,16 @@ def test_the_count_walk_goes_past_a_local_optimum_that_recomputes():
         t, remat = table[m]
         return t, tuple(dataclasses.replace(st, remat=remat) for st in real.stages)
 
-    space, planned = _fake_count_search(real, outcome, num_devices=4)
+    forgotten = []
+    space, planned = _fake_count_search(real, outcome, num_devices=4, forgotten=forgotten)
     plan = search_auto(al.Auto(), 1024, space)
     assert plan.pipeline.num_micro_batches == 512
     assert plan.step_time_s == 56.23
     assert 512 in planned and 1024 in planned        # the neighbour of the new optimum
+    # Each count's planning work is let go of once it is planned and not the fastest so
+    # far: every count planned but the best, once; the best never.
+    assert sorted(forgotten) == sorted(set(planned) - {512})
+    assert len(forgotten) == len(set(forgotten))
     # Without remat at 128 the walk stops there, as before.
     table.update({128: (57.08, False), 256: (58.81, False)})
     planned.clear()
@@ -318,31 +323,10 @@ def test_the_count_walk_goes_past_a_local_optimum_that_recomputes():
     assert 512 not in planned
 
 
-def test_the_search_holds_the_work_of_its_best_count_only(monkeypatch):
-    """Each count's planning work (traces, stage programs, layer solutions) is let go of
-    once the count is planned and not the fastest so far, so memory holds two counts'
-    work, not every count's: every count planned but the best is forgotten, once, and the
-    best never; the walk's answer is the same."""
-    real = _step(al.Manual(dp=2, tp=1, pp=2, num_micro_batches=2)).plan(
-        *_args(), cluster=FOUR_H100)
-    table = {128: (57.08, True), 256: (58.81, True), 512: (56.23, False),
-             1024: (60.94, False)}
-
-    def outcome(m):
-        if m not in table:
-            return al.MemoryBudgetError(f"{m} micro-batches do not fit", 2.0)
-        t, remat = table[m]
-        return t, tuple(dataclasses.replace(st, remat=remat) for st in real.stages)
-
-    forgotten = []
-    space, planned = _fake_count_search(real, outcome, num_devices=4, forgotten=forgotten)
-    plan = search_auto(al.Auto(), 1024, space)
-    assert plan.pipeline.num_micro_batches == 512
-    assert sorted(forgotten) == sorted(set(planned) - {512})
-    assert len(forgotten) == len(set(forgotten))
-
-    # Through the API: after Auto() plans, the step holds the split of its best pipelined
-    # count only; asking for another count's split traces it again.
+def test_after_a_search_the_step_holds_the_split_of_its_best_count_only(monkeypatch):
+    """Memory holds two counts' planning work during a search, not every count's
+    (`SearchSpace.forget`): after Auto() plans, the step keeps the split of its fastest
+    pipelined count only, and asking for another count's split traces it again."""
     step = _step(al.Auto())
     made = step.plan(*_args(), cluster=FOUR_H100)
     pipes = {int(a.label.split()[1]): a.time_s for a in made.explanation.alternatives
