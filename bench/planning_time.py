@@ -12,7 +12,8 @@ Per case: the median wall time of --repeats cold plans (and their spread), the p
 the median run (trace; intra-op ILP build and solve, summed over the worker processes; stage
 DP), the intra-op problems solved, those answered by an identical layer's solve, those read
 from the disk cache, the whole plans `Auto()` weighed, the plan chosen and its estimated
-step, a warm plan's wall time, and where asked (--exhaustive, ladders up to 16 GPUs) the
+step, the planner process's peak resident memory (its workers not counted), a warm plan's
+wall time, and where asked (--exhaustive, ladders up to 16 GPUs) the
 estimated step of `Auto(exhaustive=True)`: every micro-batch count, every layer solved on
 its own, nothing pruned.
 
@@ -29,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -111,7 +113,9 @@ def worker(spec: dict) -> dict:
             "meshes": [list(st.mesh_shape) for st in plan.stages],
             "remat": [st.remat for st in plan.stages],
             "peak_gib": plan.peak_memory_bytes / 2**30,
-            "budget_gib": cluster.device.memory_bytes / 2**30}
+            "budget_gib": cluster.device.memory_bytes / 2**30,
+            # The planner process's own peak (Linux reports KiB), its workers not counted.
+            "planner_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def run(spec: dict, limit_s: float, cache: str | None) -> dict:
@@ -156,14 +160,15 @@ def table(rows: list[dict]) -> None:
     cols = [("case", "left"), ("cluster", "left"), ("cold s (median)", "right"),
             ("runs", "right"), ("trace/build/solve/DP s", "right"),
             ("ILPs solved/reused", "right"), ("plans", "right"), ("plan", "left"),
-            ("est. step s", "right"), ("peak/budget GiB", "right"), ("warm s", "right"),
+            ("est. step s", "right"), ("peak/budget GiB", "right"),
+            ("planner RSS GiB", "right"), ("warm s", "right"),
             ("exhaustive est. s", "right"), ("target s", "right")]
     out = []
     for r in rows:
         m = r["median_run"]
         if "error" in m:
             out.append([r["case"], r["cluster"], f"{r['cold_median_s']:.1f}", "", "", "", "",
-                        m["error"][:60], "", "", "", "", f"{r['target_s']:.0f}"])
+                        m["error"][:60], "", "", "", "", "", f"{r['target_s']:.0f}"])
             continue
         ex = r.get("exhaustive")
         warm = r.get("warm", {})
@@ -174,6 +179,7 @@ def table(rows: list[dict]) -> None:
             f"{m['layer_ilps']}/{m['reused']}", str(m["plans_weighed"]),
             f"{m['stages']} st x m={m['micro_batches']}",
             f"{m['est_step_s']:.4g}", f"{m['peak_gib']:.1f}/{m['budget_gib']:.1f}",
+            f"{m['planner_rss_gib']:.2f}" if "planner_rss_gib" in m else "-",
             f"{warm['wall_s']:.1f}{' hit' if warm.get('plan_cache_hit') else ''}"
             if "wall_s" in warm else "-",
             "-" if ex is None else ex.get("error", f"{ex.get('est_step_s', 0):.4g}")[:30],
