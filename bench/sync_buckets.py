@@ -59,16 +59,24 @@ CASES = (
 QUICK_CASES = CASES[:1] + CASES[3:4]
 
 
-def model_case(size: str, cluster_name: str, batch: int) -> dict:
+def _planned(size: str, cluster_name: str, batch: int, compression=None):
+    """GPT-`size`'s `DataParallel()` plan for the preset (Adam), and its seconds to plan."""
     cfg = gpt.CONFIGS[size]
     tx = optax.adam(1e-4)
-    step = al.parallelize(gpt.make_train_step(cfg, tx), method=al.DataParallel())
-    cluster = al.Cluster.preset(cluster_name)
+    step = al.parallelize(gpt.make_train_step(cfg, tx), method=al.DataParallel(),
+                          compression=compression)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")     # a plan that does not fit says so in "fits"
-        plan = step.plan(*gpt.abstract_args(cfg, batch, tx), cluster=cluster)
-    plan_s = time.perf_counter() - t0
+        plan = step.plan(*gpt.abstract_args(cfg, batch, tx),
+                         cluster=al.Cluster.preset(cluster_name))
+    return plan, time.perf_counter() - t0
+
+
+def model_case(size: str, cluster_name: str, batch: int) -> dict:
+    cfg = gpt.CONFIGS[size]
+    cluster = al.Cluster.preset(cluster_name)
+    plan, plan_s = _planned(size, cluster_name, batch)
     (b,) = plan.sync_buckets
     step_s = plan.step_time_s
 
@@ -91,14 +99,7 @@ def model_case(size: str, cluster_name: str, batch: int) -> dict:
 
 
 def engine_case(size: str, cluster_name: str, batch: int) -> dict:
-    cfg = gpt.CONFIGS[size]
-    tx = optax.adam(1e-4)
-    step = al.parallelize(gpt.make_train_step(cfg, tx), method=al.DataParallel(),
-                          compression=C.Dense())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")     # fits or not, as part 1 says
-        plan = step.plan(*gpt.abstract_args(cfg, batch, tx),
-                         cluster=al.Cluster.preset(cluster_name))
+    plan, _ = _planned(size, cluster_name, batch, C.Dense())
     (b,) = plan.sync_buckets
     c = plan.compression
     return {"model": f"GPT-{size}", "cluster": cluster_name, "global_batch": batch,

@@ -119,9 +119,10 @@ def search_auto(method: Auto, batch: int | None, space: SearchSpace,
                                      getattr(e, "peak_bytes", math.inf)))
         tick()
     pipelined: dict[int, Candidate] = {}
-    kept: set[int] = set()     # counts whose planning work is still held
+    held: int | None = None    # the fastest count so far, whose planning work is kept
 
     def pipeline(m: int) -> float:
+        nonlocal held
         if m not in pipelined:
             label = f"pipeline, {m} micro-batches"
             try:
@@ -134,12 +135,12 @@ def search_auto(method: Auto, batch: int | None, space: SearchSpace,
                                          getattr(e, "peak_bytes", math.inf), micro_batches=m)
             tick()
             # Only the fastest count so far may be planned again (its Megatron layouts).
-            kept.add(m)
             best = min((c for c in pipelined.values() if c.plan is not None),
                        key=lambda c: c.time_s, default=None)
-            for done in sorted(kept - {best.micro_batches if best else None}):
+            fastest = best.micro_batches if best is not None else None
+            for done in sorted({held, m} - {None, fastest}):
                 space.forget(done)
-                kept.discard(done)
+            held = fastest
         return pipelined[m].time_s
 
     refusal = ""

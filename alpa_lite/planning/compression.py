@@ -171,7 +171,7 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
     dense = gradient_sync(cluster, leaves, C.Dense(), dtype)
     # The full-precision exchange goes out in buckets, each as soon as its gradients
     # exist: only what outlasts the backward is on the step's path.
-    buckets = worker_buckets(traced, dp_plan, dp_result, cluster)
+    buckets = worker_buckets(traced, dp_result, cluster)
 
     def step_of(option, sync) -> float:
         if option == C.Dense() and buckets is not None:
@@ -256,7 +256,7 @@ def make_compressed_plan(traced: TracedStep, method, cluster: Cluster, compressi
                                compression=spec, gradient_sync=records, step_time=breakdown)
 
 
-def worker_buckets(traced: TracedStep, dp_plan: Plan, dp_result: StageResult,
+def worker_buckets(traced: TracedStep, dp_result: StageResult,
                    cluster: Cluster) -> SyncBuckets | None:
     """The buckets the per-worker engine issues a full-precision exchange in: the
     data-parallel plan's compute (batch split, weights whole) with no collective but one
@@ -265,7 +265,7 @@ def worker_buckets(traced: TracedStep, dp_plan: Plan, dp_result: StageResult,
     None where no gradient leaf is exchanged (literals only)."""
     graph = traced.graph
     leaves = [t for call in traced.grad_leaves for t in call if t is not None]
-    stage = dp_plan.stages[0]
+    stage = dp_result.stage
     comm = CommModel(cluster, LogicalMesh(stage.mesh_shape, stage.axis_names))
     overlaps = cluster.overlaps_collectives()
     timeline = worker_timeline(graph, dp_result, leaves, comm, overlaps)

@@ -27,6 +27,7 @@ what its programs run (the pipeline planner records no bucket size for them).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -401,28 +402,13 @@ def backward_timeline(graph: OpGraph, result: StageResult, grad_tids: Sequence[i
     # Reshards of tied outputs (node -1) run at the end.
     intra_op += sum(c.time_s for c in by_node.get(-1, ()))
     producers = [p for p in (graph.producer(t) for t in grad_tids) if p is not None]
-    last_grad = max(producers, default=-1)
-    backward_end = ends[last_grad] if last_grad >= 0 else 0.0
-    update = sum(result.node_compute_s[i] for i in range(last_grad + 1, len(graph.nodes)))
     ops = [(node, op) for node, node_ops in sorted(grad_ops.items()) for op in node_ops]
     formed = [FormedGradient(ends[node], op.nbytes, op.time_s,
                              min(op.time_s, comm.op(op.kind, 1, op.axes).time_s))
               for node, op in ops]
-    choice = None
-    if not formed:
-        schedule = None
-        sync = SyncOverlap(total_s=0.0, exposed_s=0.0, buckets=0)
-    elif bucket_bytes is None:
-        choice = choose_bucket_bytes(formed, backward_end, overlaps)
-        schedule = choice.chosen
-        sync = schedule.sync
-    else:
-        schedule = bucket_schedule(formed, backward_end, bucket_bytes, overlaps)
-        sync = schedule.sync
-    return BackwardTimeline(compute_s=float(sum(result.node_compute_s)), intra_op_s=intra_op,
-                            update_s=update, sync=sync, reductions=len(formed),
-                            backward_end_s=backward_end, schedule=schedule, choice=choice,
-                            reduced=tuple(tuple(op_grads[(node, id(op))]) for node, op in ops))
+    return _played(graph, result, ends, max(producers, default=-1), formed,
+                   tuple(tuple(op_grads[(node, id(op))]) for node, op in ops), intra_op,
+                   overlaps, bucket_bytes)
 
 
 def worker_timeline(graph: OpGraph, result: StageResult, grad_tids: Sequence[int],
@@ -433,31 +419,45 @@ def worker_timeline(graph: OpGraph, result: StageResult, grad_tids: Sequence[int
     every axis of `comm`'s mesh, formed when its producer ends; bucketed at the size that
     leaves the least exposed (`cost_models.overlap.choose_bucket_bytes`). A gradient no
     operator produces is formed at the start."""
-    clock, ends = 0.0, []
-    for node in graph.nodes:
-        clock += result.node_compute_s[node.id]
-        ends.append(clock)
+    ends = list(itertools.accumulate(result.node_compute_s))     # compute only, by node
     axes = tuple(a for a, n in zip(comm.mesh.axis_names, comm.mesh.shape) if n > 1)
     grads = list(dict.fromkeys(grad_tids))
     producers = [graph.producer(t) for t in grads]
-    formed_at = [ends[p] if p is not None else 0.0 for p in producers]
-    last = max((p for p in producers if p is not None), default=-1)
-    backward_end = ends[last] if last >= 0 else 0.0
-    update = sum(result.node_compute_s[i] for i in range(last + 1, len(graph.nodes)))
     latency = comm.all_reduce(1, axes) if axes else 0.0
     formed = []
-    for t, at in zip(grads, formed_at):
+    for t, p in zip(grads, producers):
         took = comm.all_reduce(graph.tensors[t].nbytes, axes) if axes else 0.0
-        formed.append(FormedGradient(at, graph.tensors[t].nbytes, took, min(took, latency)))
-    common = dict(compute_s=float(sum(result.node_compute_s)), intra_op_s=0.0,
-                  update_s=update, backward_end_s=backward_end)
+        formed.append(FormedGradient(ends[p] if p is not None else 0.0,
+                                     graph.tensors[t].nbytes, took, min(took, latency)))
+    last = max((p for p in producers if p is not None), default=-1)
+    return _played(graph, result, ends, last, formed, tuple((t,) for t in grads), 0.0,
+                   overlaps, None)
+
+
+def _played(graph: OpGraph, result: StageResult, ends: Sequence[float], last_grad: int,
+            formed: list[FormedGradient], reduced: tuple[tuple[int, ...], ...],
+            intra_op_s: float, overlaps: bool, bucket_bytes: float | None
+            ) -> BackwardTimeline:
+    """A timeline from its operators' end times (`ends`, by node) and the gradient
+    reductions `formed` (reducing `reduced`), played out in buckets of `bucket_bytes`
+    (None: the size that leaves the least exposed); the backward ends with node
+    `last_grad` (-1: none), and what follows it is the update."""
+    backward_end = ends[last_grad] if last_grad >= 0 else 0.0
+    update = sum(result.node_compute_s[i] for i in range(last_grad + 1, len(graph.nodes)))
+    choice = schedule = None
     if not formed:
-        return BackwardTimeline(sync=SyncOverlap(total_s=0.0, exposed_s=0.0, buckets=0),
-                                reductions=0, **common)
-    choice = choose_bucket_bytes(formed, backward_end, overlaps)
-    return BackwardTimeline(sync=choice.chosen.sync, reductions=len(formed),
-                            schedule=choice.chosen, choice=choice,
-                            reduced=tuple((t,) for t in grads), **common)
+        sync = SyncOverlap(total_s=0.0, exposed_s=0.0, buckets=0)
+    elif bucket_bytes is None:
+        choice = choose_bucket_bytes(formed, backward_end, overlaps)
+        schedule = choice.chosen
+        sync = schedule.sync
+    else:
+        schedule = bucket_schedule(formed, backward_end, bucket_bytes, overlaps)
+        sync = schedule.sync
+    return BackwardTimeline(compute_s=float(sum(result.node_compute_s)),
+                            intra_op_s=intra_op_s, update_s=update, sync=sync,
+                            reductions=len(formed), backward_end_s=backward_end,
+                            schedule=schedule, choice=choice, reduced=reduced)
 
 
 def sync_buckets(timeline: BackwardTimeline, names: Mapping[int, str], stage: int,
