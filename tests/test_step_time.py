@@ -176,6 +176,21 @@ def test_pipeline_breakdown_sums_to_the_simulated_step():
     assert plan.step_time.seconds(TimeKind.PIPELINE_BUBBLE) > 0
 
 
+def test_a_stage_that_accumulates_keeps_its_backward():
+    # Four data-parallel replicas accumulate their gradients over the micro-batches and
+    # reduce them once a step, so the backward loses its per-micro-batch reductions. What
+    # is left must be the backward's own work: stage 0's forward is one matmul and a relu,
+    # its backward two matmuls. (A split of the stage's time by FLOP share gave the
+    # reductions' time partly to the forward, and this backward came out 0.0 ms.)
+    step_fn, args = _mlp_step(batch=64)
+    step = al.parallelize(step_fn, method=al.Manual(dp=4, pp=2, num_micro_batches=4))
+    plan = step.plan(*args, cluster=al.Cluster.preset("8xV100"))
+    assert all(st.accumulate_axes == ("dp",) for st in plan.stages)
+    assert all(st.backward_s > 0 for st in plan.stages)
+    first = plan.stages[0]
+    assert first.backward_s >= 1.5 * first.forward_s
+
+
 def test_remat_alone_runs_as_one_recomputing_stage():
     # Manual(remat=True) used to be ignored without pp or micro-batches; it now runs (and
     # is priced) as one stage that recomputes its forward.

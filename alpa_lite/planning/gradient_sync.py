@@ -271,8 +271,9 @@ def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
         accumulation=Accumulation.LOCAL, axes=axes, collective=SyncCollective.ALL_REDUCE,
         compressor=None, nbytes=nbytes(g), count=1,
         time_s=reduce_s * nbytes(g) / total if total else 0.0) for p, g in grads)
-    # The stage's forward/backward split is by FLOPs; what the split gave the backward may
-    # be less than its collectives: the rest comes off the forward's share.
+    # With remat the backward task also runs the forward again, and its collectives over
+    # `axes` vanish there too: the backward can lose more than its own collectives, and
+    # the rest comes off the forward's share (`StageTiming` prices the recompute by it).
     backward = stage.backward_s - dropped
     forward = stage.forward_s + min(backward, 0.0)
     new = dataclasses.replace(

@@ -429,11 +429,13 @@ class PipelinePlanner:
         params = sum(local(t) for t in prog.fb_params)
         inputs = sum(local(t) for t in prog.fb_acts)
         residual = sum(local(t) for t in prog.residuals)
-        fwd_flops = sum(fb.nodes[i].flops for i in prog.fwd_nodes)
-        all_flops = max(sum(n.flops for n in fb.nodes), 1.0)
-        forward_s = st.total_s * fwd_flops / all_flops
-        out_bytes = sum(self.parts.forward.graph.tensors[t].nbytes for t in prog.outputs)
         by_node = dict(res.node_collectives)
+        # The forward is its own operators' compute and collectives; the backward is the
+        # rest. (A split by FLOP share put the backward's gradient reductions partly in the
+        # forward, and a stage whose accumulation drops them was left a backward of zero.)
+        forward_s = sum(res.node_compute_s[i] + sum(c.time_s for c in by_node.get(i, ()))
+                        for i in prog.fwd_nodes)
+        out_bytes = sum(self.parts.forward.graph.tensors[t].nbytes for t in prog.outputs)
         sync = {id(c): c for g in prog.fb_param_grads
                 for _, c in grad_reduction_ops(fb, by_node, g)}
         combined: dict[tuple, int] = {}
