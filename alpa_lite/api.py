@@ -155,7 +155,10 @@ class ParallelizedStep:
         if key not in self._plans:
             # With several processes, process 0 plans and the others run its plan: a
             # solver's time limit must not let the processes disagree.
-            disk = cache_key("plan", traced.fingerprint, traced.input_avals,
+            # A pipelined step's outer trace holds its gradient call as one node: the
+            # loss inside it is told apart by the forward's own fingerprint.
+            inner = self.parts(*args).forward.fingerprint if pipelined else None
+            disk = cache_key("plan", traced.fingerprint, inner, traced.input_avals,
                              cluster.fingerprint(), method_to_json(self.method),
                              repr(self.compression), self.resolve_batch_argnums(len(args)))
             plan = share_from_first(

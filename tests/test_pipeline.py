@@ -65,15 +65,17 @@ def test_auto_pipeline_runs_and_matches_jit():
     assert "stage" in plan.summary()
 
 
-def _marked_step():
-    """A 4-layer MLP whose layers are marked by hand, with its arguments."""
+def _marked_step(activation=None):
+    """A 4-layer MLP whose layers are marked by hand (tanh unless `activation`), with its
+    arguments."""
     import jax.numpy as jnp
+    act = activation or jnp.tanh
 
     def loss_fn(params, batch):
         x = batch["x"]
         for w in params[:-1]:
-            x = al.mark_layer_boundary(jnp.tanh(x @ w))
-        return jnp.mean((jnp.tanh(x @ params[-1]) - batch["y"]) ** 2)   # layer 3: last + loss
+            x = al.mark_layer_boundary(act(x @ w))
+        return jnp.mean((act(x @ params[-1]) - batch["y"]) ** 2)   # layer 3: last + loss
 
     def step(params, batch):
         loss, grads = al.value_and_grad(loss_fn)(params, batch)
@@ -97,6 +99,23 @@ def test_mark_layer_boundary_sets_layers():
     np.testing.assert_allclose(float(out[1]), float(plain[1]), rtol=1e-6)
     for a, b in zip(out[0], plain[0]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_the_disk_cache_tells_pipelined_steps_apart_by_their_loss(tmp_path, monkeypatch):
+    # Two steps alike but for the loss's activation: the same step around the gradient
+    # call, different programs inside it. Each gets its own plan from the disk cache (the
+    # second used to be handed the first's, which its run refused).
+    monkeypatch.setenv("ALPA_LITE_CACHE", "on")
+    monkeypatch.setenv("ALPA_LITE_CACHE_DIR", str(tmp_path))
+    method = al.Manual(dp=2, pp=4, num_micro_batches=4)
+    for activation in (jax.numpy.tanh, jax.numpy.sin):
+        step, params, batch = _marked_step(activation)
+        par = al.parallelize(step, method=method)
+        assert not par.plan(params, batch).stats.plan_cache_hit
+        out, plain = par(params, batch), jax.jit(step)(params, batch)
+        np.testing.assert_allclose(float(out[1]), float(plain[1]), rtol=1e-6)
+    again = al.parallelize(step, method=method)
+    assert again.plan(params, batch).stats.plan_cache_hit
 
 
 def test_manual_layer_ranges():
