@@ -383,3 +383,45 @@ def test_the_count_walk_steps_over_refused_counts_and_plans_every_larger_micro_b
     stages = real.stages
     assert search_auto(al.Auto(), 1536, space).pipeline.num_micro_batches == 48
     assert 24 not in planned
+
+
+def test_a_mesh_axis_that_divides_nothing_plans_as_the_mesh_without_it(monkeypatch):
+    """No dimension of tiny GPT's tensors is a multiple of 5 (they are 1, 3, 4, 8, 16, 64,
+    192 and 256), so on five nodes nothing can split over an outer axis of 5, 10 or 20
+    devices: each layer's plan there is its plan on the inner axis alone, number for
+    number (solved both ways here), and the search reads it from there instead of
+    planning it again: the same plan from fewer intra-op problems. An axis of 3 divides
+    the fused attention projection's 192, and is planned."""
+    cluster = al.Cluster.of_gpus("H100", num_nodes=5, devices_per_node=4)
+    parts = _step(al.Auto(num_micro_batches=2)).parts(*_args())
+    every = PlannerPool().planner(parts, cluster, Solver.HIGHS, 60.0, {}, None, True, False)
+    fwd = parts.forward
+    bounds = layer_node_ranges(forward_layers(fwd), len(fwd.graph.nodes))
+    fields = ("forward_s", "backward_s", "param_bytes", "act_bytes", "input_bytes",
+              "output_bytes", "grad_sync_s", "reduce_once_s")
+    for a, b in bounds:
+        prog = every.program(a, b)
+        for outer, inner in [((5, 4), (1, 4)), ((10, 2), (1, 2)), ((20, 1), (1, 1))]:
+            for lean in (False, True):
+                got = every.cost(prog, LogicalMesh(outer, ("x", "y")), None, lean)
+                want = every.cost(prog, LogicalMesh(inner, ("x", "y")), None, lean)
+                for f in fields:
+                    assert getattr(got, f) == pytest.approx(getattr(want, f), rel=1e-12), f
+                assert got.result.memory_bytes == pytest.approx(want.result.memory_bytes)
+    fast = PlannerPool().planner(parts, cluster, Solver.HIGHS, 60.0, {}, None, False, False)
+    prog = fast.program(*bounds[0])
+    assert fast.layer_mesh(prog, LogicalMesh((5, 4), ("x", "y"))).shape == (1, 4)
+    assert fast.layer_mesh(prog, LogicalMesh((3, 4), ("x", "y"))).shape == (3, 4)
+    assert fast.layer_mesh(prog, LogicalMesh((2, 2), ("x", "y"))).shape == (2, 2)
+
+    def plan():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return make_pipeline_plan(parts, al.Auto(num_micro_batches=2), cluster,
+                                      parts.outer.fingerprint, parts.outer.input_avals)
+
+    mapped = plan()
+    monkeypatch.setattr(pipeline.PipelinePlanner, "layer_mesh", lambda self, prog, mesh: mesh)
+    alone = plan()
+    assert mapped.step_time_s == alone.step_time_s and mapped.stages == alone.stages
+    assert mapped.stats.layer_ilps < alone.stats.layer_ilps

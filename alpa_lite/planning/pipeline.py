@@ -187,6 +187,7 @@ class PipelinePlanner:
         # Logical meshes (shape, axis names) whose memory-lean layer plans cannot help.
         self.lean_pruned: set[tuple] = set()
         self.asked: set[tuple] = set()     # (range, mesh, pins) plans asked for
+        self.dims: dict = {}               # reuse key -> every dimension size of its tensors
         self.cache_hits = 0                # of them, read from the disk cache
         # Exhaustive: every layer range solved on its own, nothing pruned (for checking
         # that reuse and pruning lose nothing).
@@ -202,6 +203,24 @@ class PipelinePlanner:
         """What intra-op plans are memoised by: the range's structure (identical layers
         are one problem), or with `exhaustive` the range itself."""
         return (prog.structure, id(prog)) if self.exhaustive else prog.structure
+
+    def layer_mesh(self, prog: StageProgram, mesh: LogicalMesh) -> LogicalMesh:
+        """The mesh whose intra-op plan of `prog` is the plan on `mesh`: `mesh` itself, or,
+        where its outer axis divides no dimension of any of the program's tensors, the
+        mesh without it. A split needs the axis (alone or with the other) to divide the
+        dimension, so nothing splits over such an axis: every device along it runs the
+        whole program on the same values, and the plan on (a, b) has the strategies,
+        costs and per-device memory of the plan on (1, b), whose inner axis is the same
+        devices of a node. (GPT-39B's layers divide nothing by 3 or 7, so 3, 6 and 7 of
+        its 8 nodes plan as one node.) With `exhaustive`, every mesh is planned."""
+        if self.exhaustive or mesh.shape[0] == 1:
+            return mesh
+        key = self.reuse_key(prog)
+        if key not in self.dims:
+            self.dims[key] = frozenset(d for t in prog.fb.graph.tensors for d in t.shape)
+        if any(d % mesh.shape[0] == 0 for d in self.dims[key]):
+            return mesh
+        return LogicalMesh((1,) + mesh.shape[1:], mesh.axis_names, mesh.device_offset)
 
     def program(self, start: int, stop: int) -> StageProgram:
         if (start, stop) not in self.programs:
@@ -300,9 +319,14 @@ class PipelinePlanner:
         count = collections.Counter(self.reuse_key(prog) for prog in progs)
         first = {self.reuse_key(prog): prog for prog in reversed(progs)}
         distinct = [(key, first[key], n) for key, n in count.items()]
+
+        def job_key(key, prog, mesh, lean: bool) -> tuple:
+            at = self.layer_mesh(prog, mesh)
+            return (key, at.shape, at.axis_names, None, lean)
+
         tasks = [mesh for mesh in meshes if (mesh.shape, mesh.axis_names) not in self.lean_pruned
-                 and any((key, mesh.shape, mesh.axis_names, None, lean) not in self.costs
-                         for key, _, _ in distinct for lean in (False, True))]
+                 and any(job_key(key, prog, mesh, lean) not in self.costs
+                         for key, prog, _ in distinct for lean in (False, True))]
         if not tasks:
             return
         self._queue(2 * len(distinct) * len(tasks))
@@ -311,9 +335,14 @@ class PipelinePlanner:
             return Solved(self.costs[key]) if key in self.costs else None
 
         def layer_task(mesh):
-            builds: dict = {}
-            fast = [known((key, mesh.shape, mesh.axis_names, None, False)) or
-                    self._solve(prog, mesh, None, False, builds) for key, prog, _ in distinct]
+            builds: dict = {}       # per mesh planned on: a lean problem derives from its own
+
+            def solve(prog, lean: bool) -> Solved:
+                at = self.layer_mesh(prog, mesh)
+                return self._solve(prog, at, None, lean, builds.setdefault(at.shape, {}))
+
+            fast = [known(job_key(key, prog, mesh, False)) or solve(prog, False)
+                    for key, prog, _ in distinct]
             answers = [f.answer for f in fast]
             pruned = in_flight is not None and \
                 all(isinstance(a, StageCost) for a in answers) and \
@@ -322,28 +351,34 @@ class PipelinePlanner:
             # The fastest plan stands for the lean one where it already splits every
             # parameter finest (or where there is no plan), as `_layer_options` takes it.
             lean = [None if pruned else
-                    known((key, mesh.shape, mesh.axis_names, None, True)) or
+                    known(job_key(key, prog, mesh, True)) or
                     (Solved(f.answer) if not isinstance(f.answer, StageCost)
-                     or _params_finest(prog, f.answer, mesh)
-                     else self._solve(prog, mesh, None, True, builds))
+                     or _params_finest(prog, f.answer, self.layer_mesh(prog, mesh))
+                     else solve(prog, True))
                     for (key, prog, _), f in zip(distinct, fast)]
             return fast, lean, pruned
 
-        def record(i, outcome):
-            mesh = tasks[i]
+        def record(mesh, outcome):
             fast, lean, pruned = outcome.get()
             if pruned:
                 self.lean_pruned.add((mesh.shape, mesh.axis_names))
-            for (key, _, _), f, l in zip(distinct, fast, lean):
+            for (key, prog, _), f, l in zip(distinct, fast, lean):
                 for kind, solved in ((False, f), (True, l)):
-                    k = (key, mesh.shape, mesh.axis_names, None, kind)
+                    k = job_key(key, prog, mesh, kind)
                     if solved is None or k in self.costs:
                         self.done += 1
                     else:
                         self._record(k, solved)
             report(self.progress, ILPS, self.done, self.queued)
 
-        map_forked(layer_task, tasks, record)
+        # A mesh whose outer axis splits nothing of a layer takes that layer's plans from
+        # the mesh without the axis (`layer_mesh`): those meshes are planned first, so
+        # that the others read their answers instead of planning them again.
+        whole = [mesh for mesh in tasks
+                 if all(self.layer_mesh(prog, mesh) == mesh for _, prog, _ in distinct)]
+        for group in (whole, [mesh for mesh in tasks if mesh not in whole]):
+            map_forked(layer_task, group,
+                       lambda i, outcome, group=group: record(group[i], outcome))
 
     def _queue(self, n: int) -> None:
         if n:
@@ -1090,12 +1125,13 @@ def _layer_options(planner: PipelinePlanner, prog: StageProgram, mesh: LogicalMe
     # Every layer asks for its fastest plan; an identical layer's solve answers it.
     planner.asked.add((id(prog), mesh.shape, mesh.axis_names, None, False))
     if key not in planner.options:
-        fast = planner.cost(prog, mesh, None)
+        at = planner.layer_mesh(prog, mesh)
+        fast = planner.cost(prog, at, None)
         lean = fast
         if (mesh.shape, mesh.axis_names) not in planner.lean_pruned and \
-                not _params_finest(prog, fast, mesh):
+                not _params_finest(prog, fast, at):
             try:
-                lean = planner.cost(prog, mesh, None, lean=True)
+                lean = planner.cost(prog, at, None, lean=True)
             except PlanningError:
                 pass
         planner.options[key] = (fast, lean)
