@@ -144,7 +144,8 @@ class ParallelizedStep:
         report(progress, TRACE, 0, 1)
         # A pipelined step is traced with its gradient call captured; the rest whole.
         pipelined = self._micro_batches() is not None
-        traced = self.parts(*args).outer if pipelined else self.trace(*args)
+        parts = self.parts(*args) if pipelined else None
+        traced = parts.outer if parts is not None else self.trace(*args)
         trace_s = time.perf_counter() - t0
         report(progress, TRACE, 1, 1)
         if self.fixed_plan is not None:
@@ -157,7 +158,7 @@ class ParallelizedStep:
             # solver's time limit must not let the processes disagree.
             # A pipelined step's outer trace holds its gradient call as one node: the
             # loss inside it is told apart by the forward's own fingerprint.
-            inner = self.parts(*args).forward.fingerprint if pipelined else None
+            inner = parts.forward.fingerprint if parts is not None else None
             disk = cache_key("plan", traced.fingerprint, inner, traced.input_avals,
                              cluster.fingerprint(), method_to_json(self.method),
                              repr(self.compression), self.resolve_batch_argnums(len(args)))

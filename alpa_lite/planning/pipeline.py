@@ -321,13 +321,17 @@ class PipelinePlanner:
         first = {self.reuse_key(prog): prog for prog in reversed(progs)}
         distinct = [(key, first[key], n) for key, n in count.items()]
 
-        def job_key(key, prog, mesh, lean: bool) -> tuple:
-            at = self.layer_mesh(prog, mesh)
-            return (key, at.shape, at.axis_names, None, lean)
+        # Per mesh, the mesh each distinct layer is planned on (`layer_mesh`).
+        homes = {mesh: [self.layer_mesh(prog, mesh) for _, prog, _ in distinct]
+                 for mesh in meshes}
+
+        def job_key(i: int, mesh, lean: bool) -> tuple:
+            at = homes[mesh][i]
+            return (distinct[i][0], at.shape, at.axis_names, None, lean)
 
         tasks = [mesh for mesh in meshes if (mesh.shape, mesh.axis_names) not in self.lean_pruned
-                 and any(job_key(key, prog, mesh, lean) not in self.costs
-                         for key, prog, _ in distinct for lean in (False, True))]
+                 and any(job_key(i, mesh, lean) not in self.costs
+                         for i in range(len(distinct)) for lean in (False, True))]
         if not tasks:
             return
         self._queue(2 * len(distinct) * len(tasks))
@@ -338,12 +342,13 @@ class PipelinePlanner:
         def layer_task(mesh):
             builds: dict = {}       # per mesh planned on: a lean problem derives from its own
 
-            def solve(prog, lean: bool) -> Solved:
-                at = self.layer_mesh(prog, mesh)
-                return self._solve(prog, at, None, lean, builds.setdefault(at.shape, {}))
+            def solve(i: int, lean: bool) -> Solved:
+                at = homes[mesh][i]
+                return self._solve(distinct[i][1], at, None, lean,
+                                   builds.setdefault(at.shape, {}))
 
-            fast = [known(job_key(key, prog, mesh, False)) or solve(prog, False)
-                    for key, prog, _ in distinct]
+            fast = [known(job_key(i, mesh, False)) or solve(i, False)
+                    for i in range(len(distinct))]
             answers = [f.answer for f in fast]
             pruned = in_flight is not None and \
                 all(isinstance(a, StageCost) for a in answers) and \
@@ -352,20 +357,20 @@ class PipelinePlanner:
             # The fastest plan stands for the lean one where it already splits every
             # parameter finest (or where there is no plan), as `_layer_options` takes it.
             lean = [None if pruned else
-                    known(job_key(key, prog, mesh, True)) or
+                    known(job_key(i, mesh, True)) or
                     (Solved(f.answer) if not isinstance(f.answer, StageCost)
-                     or _params_finest(prog, f.answer, self.layer_mesh(prog, mesh))
-                     else solve(prog, True))
-                    for (key, prog, _), f in zip(distinct, fast)]
+                     or _params_finest(prog, f.answer, homes[mesh][i])
+                     else solve(i, True))
+                    for i, ((_, prog, _), f) in enumerate(zip(distinct, fast))]
             return fast, lean, pruned
 
         def record(mesh, outcome):
             fast, lean, pruned = outcome.get()
             if pruned:
                 self.lean_pruned.add((mesh.shape, mesh.axis_names))
-            for (key, prog, _), f, l in zip(distinct, fast, lean):
+            for i, (f, l) in enumerate(zip(fast, lean)):
                 for kind, solved in ((False, f), (True, l)):
-                    k = job_key(key, prog, mesh, kind)
+                    k = job_key(i, mesh, kind)
                     if solved is None or k in self.costs:
                         self.done += 1
                     else:
@@ -375,9 +380,10 @@ class PipelinePlanner:
         # A mesh whose outer axis splits nothing of a layer takes that layer's plans from
         # the mesh without the axis (`layer_mesh`): those meshes are planned first, so
         # that the others read their answers instead of planning them again.
-        whole = [mesh for mesh in tasks
-                 if all(self.layer_mesh(prog, mesh) == mesh for _, prog, _ in distinct)]
-        for group in (whole, [mesh for mesh in tasks if mesh not in whole]):
+        whole, rest = [], []
+        for mesh in tasks:
+            (whole if all(at == mesh for at in homes[mesh]) else rest).append(mesh)
+        for group in (whole, rest):
             map_forked(layer_task, group,
                        lambda i, outcome, group=group: record(group[i], outcome))
 
