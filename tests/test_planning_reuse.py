@@ -221,6 +221,51 @@ def test_the_memory_lean_problem_is_the_fastest_one_restricted():
     assert compared      # somewhere the restriction removed strategies
 
 
+def test_a_stage_fitted_again_is_answered_from_the_first_fit(monkeypatch):
+    """A stage search that re-plans after a stage overshot often picks some of the same
+    stages again: fitting a range of the same structure on the same mesh shape, micro-batches
+    and budget again builds nothing and gives the first answer, a failure included, with
+    the range's own tensor names and devices."""
+    cfg = dataclasses.replace(CFG, num_layers=6)
+    step = al.parallelize(gpt.make_train_step(cfg, TX), method=al.Auto(num_micro_batches=4))
+    parts = step.parts(*gpt.abstract_args(cfg, 8, TX))
+    fwd = parts.forward
+    names = {t.id: f"tensor {t.id}" for t in fwd.graph.tensors}    # each layer's its own
+    planner = PlannerPool().planner(parts, FOUR_H100, Solver.HIGHS, 60.0, names, None,
+                                    False, False)
+    bounds = layer_node_ranges(forward_layers(fwd, num_layers=6), len(fwd.graph.nodes))
+    progs = [planner.program(a, b) for a, b in bounds]
+    twins = next((p, q) for i, p in enumerate(progs) for q in progs[i + 1:]
+                 if p.structure == q.structure)
+    mesh = LogicalMesh((2, 1), ("x", "y"))
+    moved = LogicalMesh((2, 1), ("x", "y"), device_offset=2)
+    peak = pipeline.stage_estimate(planner, twins[0], planner.cost(twins[0], mesh, None),
+                                   mesh, 4, False).total
+    builds = []
+    real_build = planner.build
+    monkeypatch.setattr(planner, "build", lambda *a, **k: builds.append(a) or real_build(*a, **k))
+    for budget, fits in ((0.9 * peak, True), (0.01 * peak, False)):
+        answers = []
+        for prog, at in zip(twins, (mesh, moved)):
+            try:
+                answers.append(planner.fit_within(prog, at, None, False, 4, False, budget))
+            except al.PlanningError as e:
+                answers.append(e)
+        assert len(builds) == 1
+        builds.clear()
+        if fits:
+            (first, est), (second, again) = answers
+            assert est == again and est.total <= budget
+            assert first.forward_s == second.forward_s
+            assert second.result.stage.devices == (2, 3)
+            own = set(planner.input_names(twins[1]).values())
+            assert own != set(planner.input_names(twins[0]).values())
+            assert own <= set(dict(second.result.stage.shardings))
+        else:
+            assert all(isinstance(a, al.MemoryBudgetError) for a in answers)
+            assert str(answers[0]) == str(answers[1])
+
+
 def test_a_count_whose_memory_floors_fit_no_pipeline_is_refused_before_any_ilp(monkeypatch):
     """The stage DP on each layer's memory floor (everything split over its stage's
     devices) is a relaxation of the DP on its plans: where it finds no pipeline, the count

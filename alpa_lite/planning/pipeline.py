@@ -189,6 +189,9 @@ class PipelinePlanner:
         self.asked: set[tuple] = set()     # (range, mesh, pins) plans asked for
         self.dims: dict = {}               # reuse key -> every dimension size of its tensors
         self.cache_hits = 0                # of them, read from the disk cache
+        # `fit_within`'s answers: a stage search that re-plans after a stage overshot often
+        # picks some of the same stages again, and re-solving them gives the same answer.
+        self.fitted: dict[tuple, tuple[StageCost, MemoryEstimate] | PlanningError] = {}
         # Exhaustive: every layer range solved on its own, nothing pruned (for checking
         # that reuse and pruning lose nothing).
         self.exhaustive = exhaustive
@@ -430,6 +433,35 @@ class PipelinePlanner:
         done, total = self.done, self.queued
         report(self.progress, ILPS, done, total)
 
+    def fit_within(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+                   lean: bool, held: int, remat: bool,
+                   budget: float) -> tuple[StageCost, MemoryEstimate]:
+        """The range's plan on `mesh` re-solved with the ILP's budget tightened until its
+        whole-stage estimate holding `held` micro-batches fits `budget`
+        (`solve_within_memory`), and that estimate. Memoised like `cost`, by structure and
+        mesh shape (the estimate depends on nothing else), failures included: the fit is
+        deterministic, so asking again gives the same answer.
+
+        Raises:
+          PlanningError: no plan the tightened ILP finds fits (the same error each time).
+        """
+        key = (self.reuse_key(prog), mesh.shape, mesh.axis_names, manual, lean, held, remat,
+               budget)
+        if key not in self.fitted:
+            built = self.build(prog, mesh, manual, lean)
+            try:
+                res, est = solve_within_memory(
+                    built, budget, lambda r: stage_estimate(self, prog, self.cost_of(prog, mesh, r),
+                                                            mesh, held, remat))
+                self.fitted[key] = (self.cost_of(prog, mesh, res), est)
+            except PlanningError as e:
+                self.fitted[key] = e
+        answer = self.fitted[key]
+        if isinstance(answer, PlanningError):
+            raise answer
+        cost, est = answer
+        return self._renamed(_moved(cost, mesh.device_offset), prog), est
+
     def build(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
               lean: bool, fastest: BuiltStage | None = None) -> BuiltStage:
         """The intra-op problem of a range on a logical mesh, as `cost` plans it (built,
@@ -516,11 +548,8 @@ def _fit_stage(planner: PipelinePlanner, prog: StageProgram, cost: StageCost,
     est = stage_estimate(planner, prog, cost, mesh, held, remat)
     if est.total <= budget:
         return cost, est
-    built = planner.build(prog, mesh, manual, lean)
     try:
-        res, est = solve_within_memory(
-            built, budget, lambda r: stage_estimate(planner, prog, planner.cost_of(prog, mesh, r),
-                                                    mesh, held, remat))
+        return planner.fit_within(prog, mesh, manual, lean, held, remat, budget)
     except PlanningError as e:
         if manual is None:
             raise MemoryBudgetError(f"pipeline stage {s} (holding {held} micro-batch(es) of "
@@ -528,8 +557,7 @@ def _fit_stage(planner: PipelinePlanner, prog: StageProgram, cost: StageCost,
                                     getattr(e, "peak_bytes", est.total)) from None
         # A Manual layout is the user's: the plan is made, flagged by its estimate.
         warnings.warn(f"{manual!r}: pipeline stage {s} does not fit: {e}", stacklevel=4)
-        return cost, stage_estimate(planner, prog, cost, mesh, held, remat)
-    return planner.cost_of(prog, mesh, res), est
+        return cost, est
 
 
 def most_split_params(graph, mesh: LogicalMesh):
