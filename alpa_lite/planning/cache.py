@@ -84,7 +84,8 @@ def load_plan(key: str) -> Plan | None:
 
 
 def save_plan(key: str, plan: Plan) -> None:
-    _write("plans", key + ".json", plan.to_json().encode())
+    if cache_dir() is not None:     # (a pipeline of 64 stages takes a second to encode)
+        _write("plans", key + ".json", plan.to_json().encode())
 
 
 def load_object(kind: str, key: str) -> Any | None:
