@@ -448,11 +448,12 @@ class PipelinePlanner:
         key = (self.reuse_key(prog), mesh.shape, mesh.axis_names, manual, lean, held, remat,
                budget)
         if key not in self.fitted:
+            def estimate(res: StageResult) -> MemoryEstimate:
+                return stage_estimate(self, prog, self.cost_of(prog, mesh, res), mesh, held,
+                                      remat)
             built = self.build(prog, mesh, manual, lean)
             try:
-                res, est = solve_within_memory(
-                    built, budget, lambda r: stage_estimate(self, prog, self.cost_of(prog, mesh, r),
-                                                            mesh, held, remat))
+                res, est = solve_within_memory(built, budget, estimate)
                 self.fitted[key] = (self.cost_of(prog, mesh, res), est)
             except PlanningError as e:
                 self.fitted[key] = e
@@ -1229,7 +1230,6 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
     # memory budget, so without it a model whose fastest layers replicate their weights
     # over a data-parallel axis would have nothing that fits). The lean one is solved only
     # where the fastest does not already split every parameter that finely.
-    rows: dict[tuple[int, tuple[int, int], str], list] = {}
     progs = [planner.program(a, b) for a, b in bounds]
     meshes = [LogicalMesh(shape, ("x", "y")) for sub in shapes for shape in _logical_shapes(sub)]
     if not planner.exhaustive:
@@ -1237,17 +1237,29 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
     in_flight = None if planner.exhaustive else \
         m if method.schedule == "gpipe" else min(m, L)
     planner.prefetch_layers(progs, meshes, in_flight, budget)
-    for li, prog in enumerate(progs):
-        residuals = sum(prog.fb.graph.tensors[t].nbytes for t in prog.residuals)
-        for si, sub in enumerate(shapes):
-            for shape in _logical_shapes(sub):
-                options = _layer_options(planner, prog, LogicalMesh(shape, ("x", "y")))
-                for kind, c in zip(("fast", "lean"), options):
-                    rows.setdefault((si, shape, kind), []).append(
-                        [c.forward_s, c.search_backward_s(m), c.param_bytes, c.act_bytes,
-                         c.input_bytes, residuals / sub.num_devices])
-    prefix = {k: np.vstack([np.zeros(6), np.cumsum(np.array(v), axis=0)])
-              for k, v in rows.items()}
+    # Identical layers have identical options: each distinct layer's row is made once per
+    # mesh and the layers index them (a GPT-1T search asks 387 submeshes of 130 layers).
+    first: dict = {}
+    for prog in progs:
+        first.setdefault(planner.reuse_key(prog), prog)
+    distinct = list(first.values())
+    position = {key: i for i, key in enumerate(first)}
+    which = np.array([position[planner.reuse_key(prog)] for prog in progs])
+    residuals = np.array([sum(prog.fb.graph.tensors[t].nbytes for t in prog.residuals)
+                          for prog in distinct], dtype=float)
+    prefix: dict[tuple[int, tuple[int, int], str], np.ndarray] = {}
+    for si, sub in enumerate(shapes):
+        for shape in _logical_shapes(sub):
+            mesh = LogicalMesh(shape, ("x", "y"))
+            options = [_layer_options(planner, prog, mesh) for prog in distinct]
+            # (Every layer asks: the statistics count its answer as reused.)
+            planner.asked.update((id(prog), shape, mesh.axis_names, None, False)
+                                 for prog in progs)
+            for i, kind in enumerate(("fast", "lean")):
+                table = np.array([[o[i].forward_s, o[i].search_backward_s(m), o[i].param_bytes,
+                                   o[i].act_bytes, o[i].input_bytes] for o in options])
+                rows = np.column_stack([table, residuals / sub.num_devices])[which]
+                prefix[(si, shape, kind)] = np.vstack([np.zeros(6), np.cumsum(rows, axis=0)])
     index = {sub: i for i, sub in enumerate(shapes)}
     gpipe = method.schedule == "gpipe"
     starts, ends = range_pairs(L)
