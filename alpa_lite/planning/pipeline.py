@@ -1238,7 +1238,7 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
         m if method.schedule == "gpipe" else min(m, L)
     planner.prefetch_layers(progs, meshes, in_flight, budget)
     # Identical layers have identical options: each distinct layer's row is made once per
-    # mesh and the layers index them (a GPT-1T search asks 387 submeshes of 130 layers).
+    # mesh and the layers index them (GPT-1T: 128 blocks, 387 submeshes, 15 searches).
     first: dict = {}
     for prog in progs:
         first.setdefault(planner.reuse_key(prog), prog)
