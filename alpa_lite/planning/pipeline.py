@@ -207,6 +207,12 @@ class PipelinePlanner:
         are one problem), or with `exhaustive` the range itself."""
         return (prog.structure, id(prog)) if self.exhaustive else prog.structure
 
+    def job_key(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
+                lean: bool) -> tuple:
+        """What an intra-op plan of a range on a logical mesh is memoised by (`cost`,
+        `prefetch`, `fit_within`): its reuse key, the mesh's shape and axes, the pins."""
+        return (self.reuse_key(prog), mesh.shape, mesh.axis_names, manual, lean)
+
     def layer_mesh(self, prog: StageProgram, mesh: LogicalMesh) -> LogicalMesh:
         """The mesh whose intra-op plan of `prog` is the plan on `mesh`: `mesh` itself, or,
         where its outer axis divides no dimension of any of the program's tensors, the
@@ -266,7 +272,7 @@ class PipelinePlanner:
         allows (the memory-lean option; its gradient and optimizer state follow it).
         Submeshes are placed node-aligned (`_place`), where a block's links do not depend
         on where it starts, so one plan serves every offset (its device list is moved)."""
-        key = (self.reuse_key(prog), mesh.shape, mesh.axis_names, manual, lean)
+        key = self.job_key(prog, mesh, manual, lean)
         self.asked.add((id(prog), mesh.shape, mesh.axis_names, manual, lean))
         if key not in self.costs:
             self._queue(1)
@@ -286,7 +292,7 @@ class PipelinePlanner:
         and `cost` raises its error."""
         todo = {}
         for prog, mesh, manual, lean in jobs:
-            key = (self.reuse_key(prog), mesh.shape, mesh.axis_names, manual, lean)
+            key = self.job_key(prog, mesh, manual, lean)
             if key not in self.costs:
                 todo.setdefault(key, (key, prog, mesh, manual, lean))
         if not todo:
@@ -445,8 +451,7 @@ class PipelinePlanner:
         Raises:
           PlanningError: no plan the tightened ILP finds fits (the same error each time).
         """
-        key = (self.reuse_key(prog), mesh.shape, mesh.axis_names, manual, lean, held, remat,
-               budget)
+        key = self.job_key(prog, mesh, manual, lean) + (held, remat, budget)
         if key not in self.fitted:
             def estimate(res: StageResult) -> MemoryEstimate:
                 return stage_estimate(self, prog, self.cost_of(prog, mesh, res), mesh, held,
@@ -1239,12 +1244,10 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
     planner.prefetch_layers(progs, meshes, in_flight, budget)
     # Identical layers have identical options: each distinct layer's row is made once per
     # mesh and the layers index them (GPT-1T: 128 blocks, 387 submeshes, 15 searches).
-    first: dict = {}
-    for prog in progs:
-        first.setdefault(planner.reuse_key(prog), prog)
-    distinct = list(first.values())
-    position = {key: i for i, key in enumerate(first)}
-    which = np.array([position[planner.reuse_key(prog)] for prog in progs])
+    first: dict = {}        # reuse key -> (its index among the distinct layers, its first)
+    which = np.array([first.setdefault(planner.reuse_key(prog), (len(first), prog))[0]
+                      for prog in progs])
+    distinct = [prog for _, prog in first.values()]
     residuals = np.array([sum(prog.fb.graph.tensors[t].nbytes for t in prog.residuals)
                           for prog in distinct], dtype=float)
     prefix: dict[tuple[int, tuple[int, int], str], np.ndarray] = {}
