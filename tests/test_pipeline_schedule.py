@@ -320,6 +320,10 @@ def check_timeline(stages, m, schedule, serialize, r):
             assert first.start_s == pytest.approx(max(prev_end, ready))  # and are tight
             prev_end = task.end_s
     assert r.step_time_s == pytest.approx(max(x.end_s for x in r.tasks))
+    # finish_s: when each stage's last backward ends (what the planner reads instead of
+    # the task records).
+    assert r.finish_s == tuple(max(x.end_s for x in r.tasks if x.stage == s and x.kind == "backward")
+                               for s in range(p))
     assert r.busy_s == pytest.approx(
         tuple(m * (st.forward_s * (2 if st.remat else 1) + st.backward_s) for st in stages)
     )

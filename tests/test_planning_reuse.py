@@ -140,6 +140,30 @@ def test_a_replicas_share_of_a_micro_batch_is_the_micro_batch_of_a_larger_count(
     assert stage_program(local, 0, n).fb is stage_program(four.forward, 0, n).fb
 
 
+def test_a_refused_replica_share_is_traced_once(monkeypatch):
+    """Every stage of every candidate asks for the loss per replica; a share the loss
+    refuses is refused again from memory, with the same message, and not traced again."""
+    from alpa_lite.ir import step_parts
+    parts = _step(al.Auto()).parts(*_args(), num_micro_batches=2)
+    calls = []
+
+    def refusing(*args, **kwargs):
+        calls.append(args)
+        raise ValueError("this model refuses 2 examples")
+
+    monkeypatch.setattr(step_parts, "loss_trace", refusing)
+    errors = []
+    for _ in range(3):
+        with pytest.raises(al.PlanningError, match="refuses 2 examples") as e:
+            local_forward(parts, 2)
+        errors.append(str(e.value))
+    assert len(calls) == 1 and len(set(errors)) == 1
+    # A share that does not divide the micro-batch is refused before any trace.
+    with pytest.raises(al.PlanningError, match="do not split over 8 replicas"):
+        local_forward(parts, 8)
+    assert len(calls) == 1
+
+
 def test_candidates_sharing_a_pool_plan_as_alone_and_count_only_new_work():
     step = _step(al.Auto(num_micro_batches=2))
     args = _args()
@@ -225,7 +249,8 @@ def test_a_stage_fitted_again_is_answered_from_the_first_fit(monkeypatch):
     """A stage search that re-plans after a stage overshot often picks some of the same
     stages again: fitting a range of the same structure on the same mesh shape, micro-batches
     and budget again builds nothing and gives the first answer, a failure included, with
-    the range's own tensor names and devices."""
+    the range's own tensor names and devices. Stages that hold other micro-batch counts
+    (a pipeline's stages of one structure) fit the same problem: one build for them all."""
     cfg = dataclasses.replace(CFG, num_layers=6)
     step = al.parallelize(gpt.make_train_step(cfg, TX), method=al.Auto(num_micro_batches=4))
     parts = step.parts(*gpt.abstract_args(cfg, 8, TX))
@@ -251,8 +276,6 @@ def test_a_stage_fitted_again_is_answered_from_the_first_fit(monkeypatch):
                 answers.append(planner.fit_within(prog, at, None, False, 4, False, budget))
             except al.PlanningError as e:
                 answers.append(e)
-        assert len(builds) == 1
-        builds.clear()
         if fits:
             (first, est), (second, again) = answers
             assert est == again and est.total <= budget
@@ -264,6 +287,16 @@ def test_a_stage_fitted_again_is_answered_from_the_first_fit(monkeypatch):
         else:
             assert all(isinstance(a, al.MemoryBudgetError) for a in answers)
             assert str(answers[0]) == str(answers[1])
+    # Holding 2 micro-batches instead of 4: the same problem, a smaller estimate.
+    cost, est = planner.fit_within(twins[1], moved, None, False, 2, False, 0.9 * peak)
+    assert est.micro_batches_held == 2 and est.total < peak
+    assert len(builds) == 1
+    # A fresh planner, which builds its own, finds the same plan.
+    fresh = PlannerPool().planner(parts, FOUR_H100, Solver.HIGHS, 60.0, names, None,
+                                  False, False)
+    alone, alone_est = fresh.fit_within(fresh.program(twins[1].start, twins[1].stop), moved,
+                                        None, False, 2, False, 0.9 * peak)
+    assert alone_est == est and alone.result.stage == cost.result.stage
 
 
 def test_a_count_whose_memory_floors_fit_no_pipeline_is_refused_before_any_ilp(monkeypatch):

@@ -85,9 +85,10 @@ under it).
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from alpa_lite.cost_models.devices import require_int, require_non_negative
@@ -194,17 +195,29 @@ class ScheduleResult:
 
     Attributes:
       step_time_s: From the first task's start (0.0) to the last task's end.
-      tasks: Every task, stage by stage, each stage's in its execution order.
       busy_s: Per stage, the seconds it computes (forward + recompute + backward).
       peak_in_flight: Per stage, the most micro-batches whose forward has run and whose
         backward has not: ``m`` for GPipe, ``min(p - s, m)`` for 1F1B. Times the
         activations a micro-batch keeps on a stage, this bounds activation memory.
+      finish_s: Per stage, when its last task (a backward) ends.
+      timeline: Per stage, its tasks in execution order as ``(micro_batch, kind, start_s,
+        end_s)``; :attr:`tasks` gives them as :class:`Task` records. (A step of 96 stages
+        and 384 micro-batches has 73,728 tasks: the planner reads only the figures above,
+        so the records are made when asked for.)
     """
 
     step_time_s: float
-    tasks: tuple[Task, ...]
     busy_s: tuple[float, ...]
     peak_in_flight: tuple[int, ...]
+    finish_s: tuple[float, ...]
+    timeline: tuple[tuple[tuple[int, TaskKind, float, float], ...], ...] = \
+        field(repr=False)
+
+    @functools.cached_property
+    def tasks(self) -> tuple[Task, ...]:
+        """Every task, stage by stage, each stage's in its execution order."""
+        return tuple(Task(s, i, kind, start, end) for s, rows in enumerate(self.timeline)
+                     for i, kind, start, end in rows)
 
     @property
     def num_stages(self) -> int:
@@ -331,61 +344,77 @@ def simulate(
     grad_link_free = [0.0] * p  # channel s -> s-1
     stage_free = [0.0] * p
     next_task = [0] * p
-    timeline: list[list[Task]] = [[] for _ in range(p)]
+    timeline: list[list[tuple[int, TaskKind, float, float]]] = [[] for _ in range(p)]
 
-    def send(end_s: float, free: list[float], s: int, cost_s: float) -> float:
-        start_s = max(end_s, free[s]) if serialize_links else end_s
-        free[s] = start_s + cost_s
-        return start_s + cost_s
+    # (Below, `b if b > a else a` is max(a, b), spelled out: it is most of the work.)
+    # Each stage advances through its fixed order while its next task's inputs are known.
+    # A stage that stops waits on a neighbour, so it is visited again only after one of
+    # its neighbours has advanced. Every time is a function of the stage orders alone (a
+    # channel carries only its sending stage's messages, in that stage's order), so the
+    # order in which stages are visited changes nothing.
+    pending = list(reversed(range(p)))       # a stack: stage 0 first
+    queued = [True] * p
+    while pending:
+        s = pending.pop()
+        queued[s] = False
+        st, order, rows = stages[s], orders[s], timeline[s]
+        k, free = next_task[s], stage_free[s]
+        first = k
+        while k < len(order):
+            kind, i = order[k]
+            if kind is _F:
+                ready = 0.0 if s == 0 else act_arrival[s - 1][i]
+            else:
+                ready = fwd_end[s][i]
+                if ready is not None and s < p - 1:
+                    arrived = grad_arrival[s + 1][i]
+                    ready = None if arrived is None else arrived if arrived > ready else ready
+            if ready is None:
+                break  # waits on a stage that has not got there yet
+            start = ready if ready > free else free
+            if kind is _F:
+                end = start + st.forward_s
+                fwd_end[s][i] = end
+                rows.append((i, _F, start, end))
+                if s < p - 1:   # onto channel s -> s+1, after the message before it
+                    link = act_link_free[s]
+                    sent = (link if serialize_links and link > end else end) \
+                        + st.send_activation_s
+                    act_link_free[s] = act_arrival[s][i] = sent
+            else:
+                if st.remat:
+                    recompute_end = start + st.forward_s
+                    rows.append((i, TaskKind.RECOMPUTE, start, recompute_end))
+                    start = recompute_end
+                end = start + st.backward_s
+                rows.append((i, _B, start, end))
+                if s > 0:       # onto channel s -> s-1
+                    link = grad_link_free[s]
+                    sent = (link if serialize_links and link > end else end) \
+                        + st.send_gradient_s
+                    grad_link_free[s] = grad_arrival[s][i] = sent
+            free = end
+            k += 1
+        if k == first:
+            continue
+        next_task[s], stage_free[s] = k, free
+        for w in (s - 1, s + 1):
+            if 0 <= w < p and not queued[w] and next_task[w] < len(orders[w]):
+                queued[w] = True
+                pending.append(w)
+    if any(next_task[s] < len(orders[s]) for s in range(p)):  # unreachable for the two orders
+        raise RuntimeError(
+            f"simulate: schedule {schedule} deadlocked at tasks "
+            f"{[orders[s][next_task[s]] for s in range(p) if next_task[s] < len(orders[s])]}"
+        )
 
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for s, st in enumerate(stages):
-            while next_task[s] < len(orders[s]):
-                kind, i = orders[s][next_task[s]]
-                if kind is _F:
-                    ready = 0.0 if s == 0 else act_arrival[s - 1][i]
-                else:
-                    ready = fwd_end[s][i]
-                    if ready is not None and s < p - 1:
-                        arrived = grad_arrival[s + 1][i]
-                        ready = None if arrived is None else max(ready, arrived)
-                if ready is None:
-                    break  # waits on a stage that has not got there yet
-                start = max(stage_free[s], ready)
-                if kind is _F:
-                    end = start + st.forward_s
-                    fwd_end[s][i] = end
-                    timeline[s].append(Task(s, i, _F, start, end))
-                    if s < p - 1:
-                        act_arrival[s][i] = send(end, act_link_free, s, st.send_activation_s)
-                else:
-                    if st.remat:
-                        recompute_end = start + st.forward_s
-                        timeline[s].append(
-                            Task(s, i, TaskKind.RECOMPUTE, start, recompute_end)
-                        )
-                        start = recompute_end
-                    end = start + st.backward_s
-                    timeline[s].append(Task(s, i, _B, start, end))
-                    if s > 0:
-                        grad_arrival[s][i] = send(end, grad_link_free, s, st.send_gradient_s)
-                stage_free[s] = end
-                next_task[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # unreachable for the two built-in orders
-            raise RuntimeError(
-                f"simulate: schedule {schedule} deadlocked at tasks "
-                f"{[orders[s][next_task[s]] for s in range(p) if next_task[s] < len(orders[s])]}"
-            )
-
-    tasks = tuple(t for stage_tasks in timeline for t in stage_tasks)
-    busy = tuple(math.fsum(t.duration_s for t in stage_tasks) for stage_tasks in timeline)
+    # A stage's tasks end in order (each starts after the one before it ends), so its last
+    # ends latest.
+    finish = tuple(rows[-1][3] for rows in timeline)
     return ScheduleResult(
-        step_time_s=max(t.end_s for t in tasks),
-        tasks=tasks,
-        busy_s=busy,
+        step_time_s=max(finish),
+        busy_s=tuple(math.fsum(end - start for _, _, start, end in rows) for rows in timeline),
         peak_in_flight=tuple(_peak_in_flight(o) for o in orders),
+        finish_s=finish,
+        timeline=tuple(tuple(rows) for rows in timeline),
     )

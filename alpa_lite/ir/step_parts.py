@@ -355,30 +355,42 @@ def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
     """
     cache = _LOCAL_FORWARDS.setdefault(parts, {})
     if replicas not in cache:
-        g = parts.forward.graph
-        avals, roles, names = [], [], []
-        # (The micro-batch rows input, last with batch draws, trace_flat adds itself.)
-        operands = g.inputs[:len(g.inputs) - bool(any(parts.batch_draws))]
-        for t, is_batch in zip(operands, parts.batch_inputs):
-            tt = g.tensors[t]
-            shape = tuple(tt.shape)
-            if is_batch:
-                if shape[0] % replicas:
-                    raise PlanningError(
-                        f"batch leaf {tt.name} has {shape[0]} examples per micro-batch, "
-                        f"which do not split over {replicas} replicas")
-                shape = (shape[0] // replicas,) + shape[1:]
-            avals.append(jax.ShapeDtypeStruct(shape, as_dtype(tt.dtype)))
-            roles.append(tt.role)
-            names.append(tt.name)
         try:
-            local = loss_trace(parts.traces, parts.call, avals, roles, names,
-                               parts.batch_draws, sunk=True)
-        except Exception as e:      # the user's loss may refuse the size in any way
-            raise PlanningError(f"the loss function cannot be traced at 1/{replicas} of a "
-                                f"micro-batch: {type(e).__name__}: {e}") from None
-        cache[replicas] = (local, check_microbatching(local, parts.forward, replicas))
+            cache[replicas] = _traced_locally(parts, replicas)
+        except PlanningError as e:
+            # Refusals are remembered too: every stage of every candidate plan with this
+            # many replicas asks again (GPT-175B's Megatron layouts: 64-96 stages each),
+            # and a refused size was traced, at a cost, before it was refused.
+            cache[replicas] = e
+    if isinstance(cache[replicas], PlanningError):
+        raise cache[replicas].with_traceback(None)
     return cache[replicas]
+
+
+def _traced_locally(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
+    g = parts.forward.graph
+    avals, roles, names = [], [], []
+    # (The micro-batch rows input, last with batch draws, trace_flat adds itself.)
+    operands = g.inputs[:len(g.inputs) - bool(any(parts.batch_draws))]
+    for t, is_batch in zip(operands, parts.batch_inputs):
+        tt = g.tensors[t]
+        shape = tuple(tt.shape)
+        if is_batch:
+            if shape[0] % replicas:
+                raise PlanningError(
+                    f"batch leaf {tt.name} has {shape[0]} examples per micro-batch, "
+                    f"which do not split over {replicas} replicas")
+            shape = (shape[0] // replicas,) + shape[1:]
+        avals.append(jax.ShapeDtypeStruct(shape, as_dtype(tt.dtype)))
+        roles.append(tt.role)
+        names.append(tt.name)
+    try:
+        local = loss_trace(parts.traces, parts.call, avals, roles, names,
+                           parts.batch_draws, sunk=True)
+    except Exception as e:      # the user's loss may refuse the size in any way
+        raise PlanningError(f"the loss function cannot be traced at 1/{replicas} of a "
+                            f"micro-batch: {type(e).__name__}: {e}") from None
+    return local, check_microbatching(local, parts.forward, replicas)
 
 
 # ---- stages ---------------------------------------------------------------------------------
@@ -453,16 +465,29 @@ def range_io(forward: OpGraph, start: int, stop: int) -> tuple[list[int], list[i
     """Inputs (read in the range, made before it or program inputs) and outputs (made in the
     range, read after it or a program output) of forward nodes [start, stop)."""
     made = {t for n in forward.nodes[start:stop] for t in n.outputs}
-    ins: list[int] = []
+    ins: dict[int, None] = {}          # (ordered, without repeats)
     for n in forward.nodes[start:stop]:
         for t in n.inputs:
             if t is not None and t not in made and t not in ins \
                     and forward.tensors[t].role is not Role.CONST:
-                ins.append(t)
-    later = {t for n in forward.nodes[stop:] for t in n.inputs if t is not None}
+                ins[t] = None
+    last = _last_reader(forward)
+    program_outputs = set(forward.outputs)
     outs = [t for n in forward.nodes[start:stop] for t in n.outputs
-            if t in later or t in forward.outputs]
-    return ins, outs
+            if last.get(t, -1) >= stop or t in program_outputs]
+    return list(ins), outs
+
+
+@per_graph
+def _last_reader(forward: OpGraph) -> dict[int, int]:
+    """Per tensor, the position of the last forward node that reads it (once per graph: the
+    planners ask `range_io` of thousands of ranges)."""
+    last: dict[int, int] = {}
+    for k, n in enumerate(forward.nodes):
+        for t in n.inputs:
+            if t is not None:
+                last[t] = k
+    return last
 
 
 _HASHES: "weakref.WeakKeyDictionary[OpGraph, dict[tuple[int, int], str]]" = \

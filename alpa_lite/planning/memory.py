@@ -35,7 +35,7 @@ from typing import Mapping
 
 import numpy as np
 
-from alpa_lite.errors import MemoryBudgetError
+from alpa_lite.errors import MemoryBudgetError, PlanningError
 from alpa_lite.ir.graph import OpGraph, Role, per_graph
 from alpa_lite.plan import StagePlan
 from alpa_lite.plan.memory import MemoryEstimate, format_bytes
@@ -246,13 +246,18 @@ def over_budget_message(what: str, estimate: MemoryEstimate, budget: float, reme
             f"estimate, above the budget of {format_bytes(budget)} per device. {remedy}")
 
 
-def solve_within_memory(built, budget: float, estimate, tries: int = 4):
+def solve_within_memory(built, budget: float, estimate, tries: int = 4,
+                        solved: dict | None = None):
     """Solves `built` (an `intra_op.BuiltStage`) so that `estimate(result)`, the whole-stage
     memory of the plan it returns, is within `budget` bytes per device.
 
     The ILP's own memory model is approximate (bytes live at the unsharded program's peak),
     so a plan within its budget may not fit as a whole: then the ILP's budget is lowered by
     the overshoot and the stage solved again, up to `tries` times.
+
+    `solved`: `built`'s solutions (or the PlanningError) by ILP budget, kept by the caller
+    for the next call on the same problem with another `estimate` (a solve depends on the
+    problem and the budget alone).
 
     Returns:
       (StageResult, MemoryEstimate) of the first plan that fits.
@@ -261,10 +266,18 @@ def solve_within_memory(built, budget: float, estimate, tries: int = 4):
       PlanningError: no plan the ILP finds fits; the message gives the estimate, the budget
         and what to change.
     """
+    solved = {} if solved is None else solved
     ilp_budget = budget
     est = None
     for _ in range(tries):
-        res = built.solve(ilp_budget)
+        if ilp_budget not in solved:
+            try:
+                solved[ilp_budget] = built.solve(ilp_budget)
+            except PlanningError as e:
+                solved[ilp_budget] = e
+        res = solved[ilp_budget]
+        if isinstance(res, PlanningError):
+            raise res.with_traceback(None)
         est = estimate(res)
         if est.total <= budget:
             return res, est

@@ -192,6 +192,12 @@ class PipelinePlanner:
         # `fit_within`'s answers: a stage search that re-plans after a stage overshot often
         # picks some of the same stages again, and re-solving them gives the same answer.
         self.fitted: dict[tuple, tuple[StageCost, MemoryEstimate] | PlanningError] = {}
+        # The problem the last fit built, and its solutions by ILP budget: the stages of a
+        # pipeline that share a structure and a mesh shape (a Megatron layout's middle
+        # stages) differ only in the micro-batches they hold, so they fit one problem,
+        # and its first solve, at the budget itself, is the same for all of them. Only
+        # the last is kept: a problem holds a whole stage's strategies.
+        self.fit_problem: tuple[tuple, BuiltStage, dict] | None = None
         # Exhaustive: every layer range solved on its own, nothing pruned (for checking
         # that reuse and pruning lose nothing).
         self.exhaustive = exhaustive
@@ -456,9 +462,12 @@ class PipelinePlanner:
             def estimate(res: StageResult) -> MemoryEstimate:
                 return stage_estimate(self, prog, self.cost_of(prog, mesh, res), mesh, held,
                                       remat)
-            built = self.build(prog, mesh, manual, lean)
+            base = self.job_key(prog, mesh, manual, lean)
+            if self.fit_problem is None or self.fit_problem[0] != base:
+                self.fit_problem = (base, self.build(prog, mesh, manual, lean), {})
+            _, built, solved = self.fit_problem
             try:
-                res, est = solve_within_memory(built, budget, estimate)
+                res, est = solve_within_memory(built, budget, estimate, solved=solved)
                 self.fitted[key] = (self.cost_of(prog, mesh, res), est)
             except PlanningError as e:
                 self.fitted[key] = e

@@ -35,7 +35,6 @@ from alpa_lite.cost_models.pipeline_schedule import (
     Schedule,
     ScheduleResult,
     StageTiming,
-    TaskKind,
     simulate,
 )
 from alpa_lite.ir.graph import OpGraph, Role
@@ -76,11 +75,6 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.3g} MiB"
 
 
-def _stage_finish(sim: ScheduleResult, stage: int) -> float:
-    """When a stage's last backward ends."""
-    return max(t.end_s for t in sim.tasks if t.stage == stage and t.kind is TaskKind.BACKWARD)
-
-
 def pipeline_step_time(stages: Sequence[StagePlan], timings: Sequence[StageTiming],
                        sim: ScheduleResult, num_micro_batches: int, schedule: Schedule,
                        reduce_s: Sequence[float], apply_s: float) -> StepTime:
@@ -104,7 +98,7 @@ def pipeline_step_time(stages: Sequence[StagePlan], timings: Sequence[StageTimin
              for t in timings]
     without_sends = simulate(quiet, m, schedule).step_time_s
     sends = sim.step_time_s - without_sends
-    finish = max(_stage_finish(sim, s) + reduce_s[s] for s in range(len(stages)))
+    finish = max(sim.finish_s[s] + reduce_s[s] for s in range(len(stages)))
     exposed_sync = max(0.0, finish - sim.step_time_s)
     lines = (
         TimeLine(TimeKind.COMPUTE, busy * (1 - comm_share),

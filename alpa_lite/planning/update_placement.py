@@ -79,6 +79,11 @@ def place_update(parts: StepParts, progs: Sequence[StageProgram],
     for s, prog in enumerate(progs):
         for t in prog.acts:
             first_reader.setdefault(t, s)
+    input_pos = {t: k for k, t in reversed(list(enumerate(fwd.inputs)))}
+    tied_to: dict[int, int] = {}         # input position -> the first output tied to it
+    for o, tie in zip(outer.outputs, outer.output_ties):
+        if tie is not None:
+            tied_to.setdefault(tie, o)
     placements = []
     for pos, t in enumerate(outer.inputs):
         t_f = fwd_of.get(t)
@@ -88,15 +93,15 @@ def place_update(parts: StepParts, progs: Sequence[StageProgram],
                                                             len(fwd.tensors[t_f].shape))))
             continue
         if t_f is not None and t_f in first_reader and \
-                parts.batch_inputs[fwd.inputs.index(t_f)]:     # a batch leaf
+                parts.batch_inputs[input_pos[t_f]]:     # a batch leaf
             s = first_reader[t_f]
             prog = progs[s]
             spec = dict(zip(prog.fb.graph.inputs, stages[s].input_specs))
             placements.append(InputPlacement(s, spec[prog.fb_acts[prog.acts.index(t_f)]]))
             continue
-        tied = [o for o, tie in zip(outer.outputs, outer.output_ties) if tie == pos]
-        if tied and outer.producer(tied[0]) in node_home:
-            s = node_home[outer.producer(tied[0])]
+        tied = tied_to.get(pos)
+        if tied is not None and outer.producer(tied) in node_home:
+            s = node_home[outer.producer(tied)]
         else:
             readers = [node_home[c] for c in outer.consumers(t) if c in node_home]
             s = min(readers) if readers else 0
