@@ -144,6 +144,16 @@ class Solved:
 
 
 @dataclasses.dataclass(frozen=True)
+class FitProblem:
+    """The whole-stage problem `PipelinePlanner.fit_within` last built: its job key
+    (structure, mesh, layout, lean), the built problem, and its solutions by ILP memory
+    budget (filled in by `solve_within_memory`)."""
+    key: tuple
+    built: BuiltStage
+    solved: dict
+
+
+@dataclasses.dataclass(frozen=True)
 class PlannerWork:
     """A `PipelinePlanner`'s counters (`PipelinePlanner.counters`); a difference of two is
     the work done between them."""
@@ -197,7 +207,7 @@ class PipelinePlanner:
         # stages) differ only in the micro-batches they hold, so they fit one problem,
         # and its first solve, at the budget itself, is the same for all of them. Only
         # the last is kept: a problem holds a whole stage's strategies.
-        self.fit_problem: tuple[tuple, BuiltStage, dict] | None = None
+        self.fit_problem: FitProblem | None = None
         # Exhaustive: every layer range solved on its own, nothing pruned (for checking
         # that reuse and pruning lose nothing).
         self.exhaustive = exhaustive
@@ -452,7 +462,9 @@ class PipelinePlanner:
         whole-stage estimate holding `held` micro-batches fits `budget`
         (`solve_within_memory`), and that estimate. Memoised like `cost`, by structure and
         mesh shape (the estimate depends on nothing else), failures included: the fit is
-        deterministic, so asking again gives the same answer.
+        deterministic, so asking again gives the same answer. Consecutive fits of one
+        structure and mesh (a pipeline's stages, holding different micro-batch counts)
+        share the built problem and its solutions by ILP budget (`fit_problem`).
 
         Raises:
           PlanningError: no plan the tightened ILP finds fits (the same error each time).
@@ -463,11 +475,11 @@ class PipelinePlanner:
                 return stage_estimate(self, prog, self.cost_of(prog, mesh, res), mesh, held,
                                       remat)
             base = self.job_key(prog, mesh, manual, lean)
-            if self.fit_problem is None or self.fit_problem[0] != base:
-                self.fit_problem = (base, self.build(prog, mesh, manual, lean), {})
-            _, built, solved = self.fit_problem
+            if self.fit_problem is None or self.fit_problem.key != base:
+                self.fit_problem = FitProblem(base, self.build(prog, mesh, manual, lean), {})
             try:
-                res, est = solve_within_memory(built, budget, estimate, solved=solved)
+                res, est = solve_within_memory(self.fit_problem.built, budget, estimate,
+                                               solved=self.fit_problem.solved)
                 self.fitted[key] = (self.cost_of(prog, mesh, res), est)
             except PlanningError as e:
                 self.fitted[key] = e
@@ -1035,19 +1047,23 @@ def _fit_stages(planner: PipelinePlanner, method, bounds, chosen, m: int):
     planner.prefetch((prog, mesh, manual, lean)
                      for prog, (_, mesh, _, lean) in zip(progs, chosen))
     stages, costs, estimates = [], [], []
-    for s, (((a, b), mesh, remat, lean), prog) in enumerate(zip(chosen, progs)):
-        cost = planner.cost(prog, mesh, manual, lean)
-        # The planner never returns a stage its whole-stage estimate says does not fit.
-        held = held_micro_batches(method.schedule, len(chosen), s, m)
-        cost, est = _fit_stage(planner, prog, cost, mesh, manual, lean, held, remat, budget, s)
-        st = cost.result.stage
-        stages.append(dataclasses.replace(
-            st, forward_s=cost.forward_s, backward_s=cost.backward_s, layers=(a, b),
-            remat=remat,
-            total_s=cost.forward_s * (2 if remat else 1) + cost.backward_s,
-            peak_memory_bytes=est.total, memory=est))
-        costs.append(cost)
-        estimates.append(est)
+    try:
+        for s, (((a, b), mesh, remat, lean), prog) in enumerate(zip(chosen, progs)):
+            cost = planner.cost(prog, mesh, manual, lean)
+            # The planner never returns a stage its whole-stage estimate says does not fit.
+            held = held_micro_batches(method.schedule, len(chosen), s, m)
+            cost, est = _fit_stage(planner, prog, cost, mesh, manual, lean, held, remat,
+                                   budget, s)
+            st = cost.result.stage
+            stages.append(dataclasses.replace(
+                st, forward_s=cost.forward_s, backward_s=cost.backward_s, layers=(a, b),
+                remat=remat,
+                total_s=cost.forward_s * (2 if remat else 1) + cost.backward_s,
+                peak_memory_bytes=est.total, memory=est))
+            costs.append(cost)
+            estimates.append(est)
+    finally:
+        planner.fit_problem = None      # (a whole stage's problem: not held past the fits)
     return stages, costs, progs, estimates
 
 
