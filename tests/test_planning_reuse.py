@@ -142,7 +142,9 @@ def test_a_replicas_share_of_a_micro_batch_is_the_micro_batch_of_a_larger_count(
 
 def test_a_refused_replica_share_is_traced_once(monkeypatch):
     """Every stage of every candidate asks for the loss per replica; a share the loss
-    refuses is refused again from memory, with the same message, and not traced again."""
+    refuses is refused again from memory, with the same message, and not traced again.
+    Each refusal is a fresh error: one kept and raised again would keep the frames of
+    the last caller it passed through."""
     from alpa_lite.ir import step_parts
     parts = _step(al.Auto()).parts(*_args(), num_micro_batches=2)
     calls = []
@@ -156,8 +158,9 @@ def test_a_refused_replica_share_is_traced_once(monkeypatch):
     for _ in range(3):
         with pytest.raises(al.PlanningError, match="refuses 2 examples") as e:
             local_forward(parts, 2)
-        errors.append(str(e.value))
-    assert len(calls) == 1 and len(set(errors)) == 1
+        errors.append(e.value)
+    assert len(calls) == 1 and len({str(e) for e in errors}) == 1
+    assert len({id(e) for e in errors}) == 3
     # A share that does not divide the micro-batch is refused before any trace.
     with pytest.raises(al.PlanningError, match="do not split over 8 replicas"):
         local_forward(parts, 8)

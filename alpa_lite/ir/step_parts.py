@@ -16,6 +16,7 @@ sum over examples; `alpa_lite.ir.microbatch` checks this and says how to combine
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import inspect
@@ -361,9 +362,12 @@ def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
             # Refusals are remembered too: every stage of every candidate plan with this
             # many replicas asks again (GPT-175B's Megatron layouts: 64-96 stages each),
             # and a refused size was traced, at a cost, before it was refused.
-            cache[replicas] = e
+            e.__context__ = None        # (what the loss raised, and its frames)
+            cache[replicas] = e.with_traceback(None)
     if isinstance(cache[replicas], PlanningError):
-        raise cache[replicas].with_traceback(None)
+        # A copy each time: a raised exception takes the frames it passes through, and
+        # the one kept here would hold the last caller's locals alive.
+        raise copy.copy(cache[replicas])
     return cache[replicas]
 
 

@@ -476,6 +476,7 @@ class PipelinePlanner:
                                       remat)
             base = self.job_key(prog, mesh, manual, lean)
             if self.fit_problem is None or self.fit_problem.key != base:
+                self.fit_problem = None     # (let the last go before building the next)
                 self.fit_problem = FitProblem(base, self.build(prog, mesh, manual, lean), {})
             try:
                 res, est = solve_within_memory(self.fit_problem.built, budget, estimate,
