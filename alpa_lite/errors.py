@@ -1,5 +1,10 @@
 """The errors alpa_lite raises for problems a user can fix."""
 
+import copy
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
+
 
 class PlanningError(ValueError):
     """No plan satisfies the request (memory budget, mesh shape, divisibility)."""
@@ -28,3 +33,12 @@ class CheckpointMismatchError(ValueError):
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN or Inf; the step changed nothing (see `on_nonfinite`)."""
+
+
+def detached(error: E) -> E:
+    """A copy of `error` to keep in a memo, or to raise from one: the same type and message,
+    without the traceback and the exception it was raised while handling. A raised
+    exception holds every frame it passed through, and they their locals (a whole stage's
+    intra-op problem, a search's tables): kept in a memo, or raised again from one (which
+    hands it this raise's frames), it would keep them alive as long as the memo."""
+    return copy.copy(error)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from alpa_lite.errors import MemoryBudgetError, PlanningError
+from alpa_lite.errors import MemoryBudgetError, PlanningError, detached
 from alpa_lite.planning import workers
 from alpa_lite.planning.collector import PLANNING_YOUNG_THRESHOLD, fewer_collections
 from alpa_lite.planning.workers import map_forked
@@ -60,6 +60,36 @@ def test_planning_errors_pickle_with_their_fields():
     import pickle
     e = pickle.loads(pickle.dumps(MemoryBudgetError("over", 3.0)))
     assert isinstance(e, PlanningError) and str(e) == "over" and e.peak_bytes == 3.0
+
+
+def test_a_remembered_error_keeps_its_fields_and_lets_its_frames_go():
+    """The planners' memos keep and re-raise `detached` copies: the same type, message and
+    fields, without the frames (and their locals) of the raise that made the original."""
+    import gc
+    import weakref
+
+    class Problem:      # stands for a whole stage's intra-op problem
+        pass
+
+    def solve(problem):
+        try:
+            raise KeyError("inner")
+        except KeyError:
+            raise MemoryBudgetError("stage 1 needs 20 GiB", 20.0) from None
+
+    problem = Problem()
+    alive = weakref.ref(problem)
+    try:
+        solve(problem)
+    except MemoryBudgetError as e:
+        kept = detached(e)
+    del problem
+    gc.collect()
+    assert alive() is None
+    assert type(kept) is MemoryBudgetError and str(kept) == "stage 1 needs 20 GiB"
+    assert kept.peak_bytes == 20.0 and kept.__traceback__ is None and kept.__context__ is None
+    again = detached(kept)
+    assert again is not kept and str(again) == str(kept)
 
 
 @pytest.mark.parametrize("method", [dict(num_micro_batches=2), dict(pipeline=False)])

@@ -16,7 +16,6 @@ sum over examples; `alpa_lite.ir.microbatch` checks this and says how to combine
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import inspect
@@ -28,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpa_lite.errors import PlanningError
+from alpa_lite.errors import PlanningError, detached
 from alpa_lite.ir.batch import AuxRule, batch_dims, batch_size
 from alpa_lite.ir.batch_draws import check_drawable
 from alpa_lite.ir.graph import OpGraph, Role, as_dtype, dtype_name, is_key, per_graph
@@ -362,12 +361,9 @@ def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
             # Refusals are remembered too: every stage of every candidate plan with this
             # many replicas asks again (GPT-175B's Megatron layouts: 64-96 stages each),
             # and a refused size was traced, at a cost, before it was refused.
-            e.__context__ = None        # (what the loss raised, and its frames)
-            cache[replicas] = e.with_traceback(None)
+            cache[replicas] = detached(e)
     if isinstance(cache[replicas], PlanningError):
-        # A copy each time: a raised exception takes the frames it passes through, and
-        # the one kept here would hold the last caller's locals alive.
-        raise copy.copy(cache[replicas])
+        raise detached(cache[replicas])
     return cache[replicas]
 
 

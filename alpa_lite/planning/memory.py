@@ -35,7 +35,7 @@ from typing import Mapping
 
 import numpy as np
 
-from alpa_lite.errors import MemoryBudgetError, PlanningError
+from alpa_lite.errors import MemoryBudgetError, PlanningError, detached
 from alpa_lite.ir.graph import OpGraph, Role, per_graph
 from alpa_lite.plan import StagePlan
 from alpa_lite.plan.memory import MemoryEstimate, format_bytes
@@ -274,10 +274,10 @@ def solve_within_memory(built, budget: float, estimate, tries: int = 4,
             try:
                 solved[ilp_budget] = built.solve(ilp_budget)
             except PlanningError as e:
-                solved[ilp_budget] = e
+                solved[ilp_budget] = detached(e)
         res = solved[ilp_budget]
         if isinstance(res, PlanningError):
-            raise res.with_traceback(None)
+            raise detached(res)
         est = estimate(res)
         if est.total <= budget:
             return res, est

@@ -47,7 +47,7 @@ from alpa_lite.cost_models.pipeline_schedule import (
     schedule_from_name,
     simulate,
 )
-from alpa_lite.errors import MemoryBudgetError, PlanningError
+from alpa_lite.errors import MemoryBudgetError, PlanningError, detached
 from alpa_lite.ir.batch import batch_dims
 from alpa_lite.ir.graph import Role
 from alpa_lite.ir.op_rules import DimLabels, enumerate_assignments
@@ -295,7 +295,7 @@ class PipelinePlanner:
             self._record(key, self._solve(prog, mesh, manual, lean))
         cost = self.costs[key]
         if isinstance(cost, PlanningError):
-            raise cost
+            raise detached(cost)
         return self._renamed(_moved(cost, mesh.device_offset), prog)
 
     def prefetch(self, jobs) -> None:
@@ -439,7 +439,7 @@ class PipelinePlanner:
                 builds[id(prog)] = built
             res = built.solve()
         except PlanningError as e:
-            return Solved(e, solved=True)      # solved, and found nothing
+            return Solved(detached(e), solved=True)      # solved, and found nothing
         cost = self.cost_of(prog, mesh, res)
         if disk:
             save_object("layers", disk, cost)
@@ -483,10 +483,10 @@ class PipelinePlanner:
                                                solved=self.fit_problem.solved)
                 self.fitted[key] = (self.cost_of(prog, mesh, res), est)
             except PlanningError as e:
-                self.fitted[key] = e
+                self.fitted[key] = detached(e)
         answer = self.fitted[key]
         if isinstance(answer, PlanningError):
-            raise answer
+            raise detached(answer)
         cost, est = answer
         return self._renamed(_moved(cost, mesh.device_offset), prog), est
 
