@@ -3,7 +3,7 @@
 import copy
 from typing import TypeVar
 
-E = TypeVar("E", bound=BaseException)
+ErrorT = TypeVar("ErrorT", bound=BaseException)
 
 
 class PlanningError(ValueError):
@@ -35,7 +35,7 @@ class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN or Inf; the step changed nothing (see `on_nonfinite`)."""
 
 
-def detached(error: E) -> E:
+def detached(error: ErrorT) -> ErrorT:
     """A copy of `error` to keep in a memo, or to raise from one: the same type and message,
     without the traceback and the exception it was raised while handling. A raised
     exception holds every frame it passed through, and they their locals (a whole stage's
