@@ -4,6 +4,7 @@ import copy
 from typing import TypeVar
 
 ErrorT = TypeVar("ErrorT", bound=BaseException)
+AnswerT = TypeVar("AnswerT")
 
 
 class PlanningError(ValueError):
@@ -42,3 +43,11 @@ def detached(error: ErrorT) -> ErrorT:
     intra-op problem, a search's tables): kept in a memo, or raised again from one (which
     hands it this raise's frames), it would keep them alive as long as the memo."""
     return copy.copy(error)
+
+
+def kept_answer(answer: "AnswerT | PlanningError") -> AnswerT:
+    """A memo's answer: the value it holds, or the error it holds (kept `detached`) raised
+    as a fresh copy."""
+    if isinstance(answer, PlanningError):
+        raise detached(answer)
+    return answer

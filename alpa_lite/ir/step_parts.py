@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpa_lite.errors import PlanningError, detached
+from alpa_lite.errors import PlanningError, detached, kept_answer
 from alpa_lite.ir.batch import AuxRule, batch_dims, batch_size
 from alpa_lite.ir.batch_draws import check_drawable
 from alpa_lite.ir.graph import OpGraph, Role, as_dtype, dtype_name, is_key, per_graph
@@ -362,9 +362,7 @@ def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
             # many replicas asks again (GPT-175B's Megatron layouts: 64-96 stages each),
             # and a refused size was traced, at a cost, before it was refused.
             cache[replicas] = detached(e)
-    if isinstance(cache[replicas], PlanningError):
-        raise detached(cache[replicas])
-    return cache[replicas]
+    return kept_answer(cache[replicas])
 
 
 def _traced_locally(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:

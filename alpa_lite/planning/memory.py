@@ -35,7 +35,7 @@ from typing import Mapping
 
 import numpy as np
 
-from alpa_lite.errors import MemoryBudgetError, PlanningError, detached
+from alpa_lite.errors import MemoryBudgetError, PlanningError, detached, kept_answer
 from alpa_lite.ir.graph import OpGraph, Role, per_graph
 from alpa_lite.plan import StagePlan
 from alpa_lite.plan.memory import MemoryEstimate, format_bytes
@@ -275,9 +275,7 @@ def solve_within_memory(built, budget: float, estimate, tries: int = 4,
                 solved[ilp_budget] = built.solve(ilp_budget)
             except PlanningError as e:
                 solved[ilp_budget] = detached(e)
-        res = solved[ilp_budget]
-        if isinstance(res, PlanningError):
-            raise detached(res)
+        res = kept_answer(solved[ilp_budget])
         est = estimate(res)
         if est.total <= budget:
             return res, est

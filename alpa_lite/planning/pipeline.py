@@ -47,7 +47,7 @@ from alpa_lite.cost_models.pipeline_schedule import (
     schedule_from_name,
     simulate,
 )
-from alpa_lite.errors import MemoryBudgetError, PlanningError, detached
+from alpa_lite.errors import MemoryBudgetError, PlanningError, detached, kept_answer
 from alpa_lite.ir.batch import batch_dims
 from alpa_lite.ir.graph import Role
 from alpa_lite.ir.op_rules import DimLabels, enumerate_assignments
@@ -293,9 +293,7 @@ class PipelinePlanner:
         if key not in self.costs:
             self._queue(1)
             self._record(key, self._solve(prog, mesh, manual, lean))
-        cost = self.costs[key]
-        if isinstance(cost, PlanningError):
-            raise detached(cost)
+        cost = kept_answer(self.costs[key])
         return self._renamed(_moved(cost, mesh.device_offset), prog)
 
     def prefetch(self, jobs) -> None:
@@ -484,10 +482,7 @@ class PipelinePlanner:
                 self.fitted[key] = (self.cost_of(prog, mesh, res), est)
             except PlanningError as e:
                 self.fitted[key] = detached(e)
-        answer = self.fitted[key]
-        if isinstance(answer, PlanningError):
-            raise detached(answer)
-        cost, est = answer
+        cost, est = kept_answer(self.fitted[key])
         return self._renamed(_moved(cost, mesh.device_offset), prog), est
 
     def build(self, prog: StageProgram, mesh: LogicalMesh, manual: Manual | None,
