@@ -3,6 +3,7 @@ and alpa_lite.planning.collector (the collector paced while planning)."""
 
 import gc
 import os
+import time
 
 import pytest
 
@@ -54,6 +55,24 @@ def test_one_core_runs_in_this_process(monkeypatch):
     monkeypatch.setattr(workers, "usable_cores", lambda: 1)
     outcomes = map_forked(lambda x: os.getpid(), [0, 1])
     assert {o.get() for o in outcomes} == {os.getpid()}
+
+
+@pytest.mark.skipif(workers.usable_cores() < 2, reason="forking needs two usable cores")
+def test_small_tasks_run_here_once_measured_and_grown_ones_are_forked_again():
+    def task(seconds):
+        time.sleep(seconds)
+        return os.getpid()
+
+    def processes(seconds, n=4):
+        return {o.get() for o in map_forked(task, [seconds] * n)}
+
+    me = {os.getpid()}
+    # Never measured: forked. Then a pool costs more than four 1 ms tasks save.
+    assert processes(0.001) - me
+    assert processes(0.001) == me
+    # The tasks grew: this call still runs them here (it measures them), the next forks.
+    assert processes(0.5) == me
+    assert processes(0.5) - me
 
 
 def test_planning_errors_pickle_with_their_fields():
@@ -111,6 +130,8 @@ def test_a_plan_made_on_every_core_is_the_plan_made_in_order(method, monkeypatch
         step = al.parallelize(gpt.make_train_step(cfg, tx), method=al.Auto(**method))
         return step.plan(*args, cluster=cluster)
 
+    # (The tiny GPT's problems are too small for a pool to pay: forced here.)
+    monkeypatch.setattr(workers, "forking_pays", lambda *_: True)
     forked = plan()
     monkeypatch.setattr(workers, "usable_cores", lambda: 1)
     in_order = plan()

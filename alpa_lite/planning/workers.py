@@ -19,8 +19,18 @@ pool is reset in each worker for the same reason.
 
 Where it runs in this process instead, in order: one usable core, a single problem, a
 platform other than Linux (macOS' system libraries are not safe to use after a fork
-without exec, and Windows has no fork), or a call made inside a worker. The answers are the same either way;
-only the time differs.
+without exec, and Windows has no fork), a call made inside a worker, or tasks too small
+to pay for the fork (`forking_pays`). The answers are the same either way; only the time
+differs.
+
+When forking pays. Starting and joining a pool costs tens of milliseconds (more as the
+planner's memory grows: the fork copies its page tables), and a small model's problems
+take a few milliseconds each: planning the test suite's small models, forking cost more
+than the second core saved (tests/test_cli.py and test_planning_reuse.py in one process on
+the 2-core box: 115 s forking, 108 s without). So this process keeps what its last pool cost and what a task of each kind took
+(per task function, whichever process ran it), and runs a call's tasks here where the
+cores would save less than a pool costs. A kind never measured is forked, as a kind whose
+tasks grew is after the one call that measures it.
 
 Ctrl-C: workers ignore SIGINT; the planner's KeyboardInterrupt stops them (terminated, so
 no half-solved problem outlives the planner) and propagates.
@@ -29,11 +39,13 @@ no half-solved problem outlives the planner) and propagates.
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 import warnings
 from typing import Callable, Generic, Sequence, TypeVar
@@ -47,6 +59,11 @@ R = TypeVar("R")
 # module (only a task's index crosses the pipe).
 _work: tuple[Callable, Sequence] | None = None
 _in_worker = False
+# What forking costs here and what tasks take (module docstring, "When forking pays"):
+# the last pool's start and join, and per task function (its code object), the mean
+# seconds of a task in the last call that ran it.
+_pool_s: float | None = None
+_task_s: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +103,7 @@ def map_forked(fn: Callable[[T], R], tasks: Sequence[T],
       One `Outcome` per task, in the order of `tasks`. Exceptions other than PlanningError
       propagate (the first met), after the workers are stopped.
     """
-    global _work
+    global _work, _pool_s
     outcomes: list[Outcome[R] | None] = [None] * len(tasks)
 
     def done(i: int, outcome: Outcome[R]) -> None:
@@ -95,12 +112,19 @@ def map_forked(fn: Callable[[T], R], tasks: Sequence[T],
             on_done(i, outcome)
 
     workers = min(len(tasks), usable_cores())
-    if workers <= 1 or _in_worker or not sys.platform.startswith("linux"):
+    code = getattr(fn, "__code__", None)
+    if workers <= 1 or _in_worker or not sys.platform.startswith("linux") or \
+            not forking_pays(code, len(tasks), workers):
+        t0 = time.perf_counter()
         for i, task in enumerate(tasks):
             done(i, _run(fn, task))
+        if code is not None and tasks:
+            _task_s[code] = (time.perf_counter() - t0) / len(tasks)
         return outcomes
     _work = (fn, tasks)
+    task_s = 0.0
     try:
+        t0 = time.perf_counter()
         with warnings.catch_warnings():
             # JAX (and Python 3.12+) warn that forking a threaded process may deadlock the
             # child; the workers never touch JAX or the threads that warning is about.
@@ -108,19 +132,37 @@ def map_forked(fn: Callable[[T], R], tasks: Sequence[T],
             warnings.filterwarnings("ignore", message=r".*fork\(\)",
                                     category=DeprecationWarning)
             pool = multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker)
+        started_s = time.perf_counter() - t0
         try:
-            for i, (kind, payload) in pool.imap_unordered(_run_index, range(len(tasks))):
+            for i, (kind, payload, took_s) in pool.imap_unordered(_run_index,
+                                                                  range(len(tasks))):
                 if kind == "raised":
                     raise payload
+                task_s += took_s
                 done(i, payload)
         except BaseException:
             pool.terminate()
             raise
+        t1 = time.perf_counter()
         pool.close()
         pool.join()
+        _pool_s = started_s + time.perf_counter() - t1
+        if code is not None:
+            _task_s[code] = task_s / len(tasks)
     finally:
         _work = None
     return outcomes
+
+
+def forking_pays(code, num_tasks: int, workers: int) -> bool:
+    """Whether `num_tasks` tasks of the function with this code object finish sooner on
+    `workers` forked processes than here, by what this process last measured of a pool
+    and of such a task (module docstring): True where either was never measured."""
+    task_s = _task_s.get(code) if code is not None else None
+    if task_s is None or _pool_s is None:
+        return True
+    saved_s = (num_tasks - math.ceil(num_tasks / workers)) * task_s
+    return saved_s > _pool_s
 
 
 def _start_worker() -> None:
@@ -144,11 +186,12 @@ def _run(fn: Callable[[T], R], task: T) -> Outcome[R]:
 
 def _run_index(i: int):
     fn, tasks = _work
+    t0 = time.perf_counter()
     try:
-        return i, ("done", _run(fn, tasks[i]))
+        return i, ("done", _run(fn, tasks[i]), time.perf_counter() - t0)
     except Exception as e:         # sent back and raised in the planner
         try:
             pickle.dumps(e)
         except Exception:
             e = RuntimeError("a planning worker failed:\n" + traceback.format_exc())
-        return i, ("raised", e)
+        return i, ("raised", e, time.perf_counter() - t0)
