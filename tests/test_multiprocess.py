@@ -20,9 +20,8 @@ import alpa_lite as al
 from alpa_lite.tools.launch import LocalJob, launch
 
 WORKER = str(pathlib.Path(__file__).resolve().parent / "multiprocess_worker.py")
-# Every method on the GPT; the MLP with each process feeding only its own rows of the batch.
-CONFIGS = [f"gpt:{method}" for method in ("dp", "tp", "auto", "pp", "dense")] + \
-    ["mlp:dp:local", "gpt:tp:local"]
+CONFIGS = [f"{example}:{method}" for example in ("mlp", "gpt")
+           for method in ("dp", "tp", "auto", "pp", "dense")] + ["mlp:dp:local", "gpt:tp:local"]
 JOB_TIMEOUT_S = 150
 
 
