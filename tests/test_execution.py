@@ -1,8 +1,9 @@
 """Plans executed on 8 virtual CPU devices: same numbers as plain jax.jit, predicted collectives.
 
 For every example and for Auto, DataParallel, ZeRO-style data parallelism and two
-Megatron-style Manual(dp, tp) grids (one with both axes split, one all tensor-parallel), five training steps of the parallelized step must give
-the losses and parameters of the undecorated step under `jax.jit`, and the collectives XLA
+Megatron-style Manual(dp, tp) grids (both axes split, and all tensor-parallel), five
+training steps of the parallelized step must give the losses and parameters of the
+undecorated step under `jax.jit`, and the collectives XLA
 compiled (bytes per kind, read from the partitioned HLO) must be those the plan predicted.
 Counts are not compared: XLA's all-reduce combiner merges independent all-reduces into one
 tuple all-reduce, which changes the count but not the bytes.

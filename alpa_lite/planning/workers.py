@@ -26,11 +26,12 @@ differs.
 When forking pays. Starting and joining a pool costs tens of milliseconds (more as the
 planner's memory grows: the fork copies its page tables), and a small model's problems
 take a few milliseconds each: planning the test suite's small models, forking cost more
-than the second core saved (tests/test_cli.py and test_planning_reuse.py in one process on
-the 2-core box: 115 s forking, 108 s without). So this process keeps what its last pool cost and what a task of each kind took
-(per task function, whichever process ran it), and runs a call's tasks here where the
-cores would save less than a pool costs. A kind never measured is forked, as a kind whose
-tasks grew is after the one call that measures it.
+than the second core saved (tests/test_cli.py and test_planning_reuse.py in one process
+on the 2-core box: 115 s forking, 108 s without). So this process keeps what its last
+pool cost and what a task of each kind took (per task function, whichever process ran
+it), and runs a call's tasks here where the cores would save less than a pool costs. A
+kind never measured is forked, and so is a kind whose tasks grew, after the one call that
+measures them.
 
 Ctrl-C: workers ignore SIGINT; the planner's KeyboardInterrupt stops them (terminated, so
 no half-solved problem outlives the planner) and propagates.
@@ -47,6 +48,7 @@ import signal
 import sys
 import time
 import traceback
+import types
 import warnings
 from typing import Callable, Generic, Sequence, TypeVar
 
@@ -63,7 +65,7 @@ _in_worker = False
 # the last pool's start and join, and per task function (its code object), the mean
 # seconds of a task in the last call that ran it.
 _pool_s: float | None = None
-_task_s: dict = {}
+_task_s: dict[types.CodeType, float] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +156,7 @@ def map_forked(fn: Callable[[T], R], tasks: Sequence[T],
     return outcomes
 
 
-def forking_pays(code, num_tasks: int, workers: int) -> bool:
+def forking_pays(code: types.CodeType | None, num_tasks: int, workers: int) -> bool:
     """Whether `num_tasks` tasks of the function with this code object finish sooner on
     `workers` forked processes than here, by what this process last measured of a pool
     and of such a task (module docstring): True where either was never measured."""
