@@ -6,11 +6,15 @@ import dataclasses
 import warnings
 
 import gpt
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import alpa_lite as al
 from alpa_lite import api
+from alpa_lite.ir.replay import replay
 from alpa_lite.ir.step_parts import local_forward, stage_program
 from alpa_lite.plan.sharding import LogicalMesh
 from alpa_lite.planning import intra_op, pipeline
@@ -127,6 +131,46 @@ def test_ranges_of_one_structure_share_one_traced_program():
     assert len({p.params for p in blocks}) == len(blocks)
     # Remembered per forward graph: the layer cut is too.
     assert forward_layers(fwd, num_layers=6) is starts
+
+
+def _fb_values(prog, key):
+    """The stage program's fb graph replayed on random inputs (the same for equal avals)."""
+    g = prog.fb.graph
+    env = {}
+    for k, t in zip(jax.random.split(key, len(g.inputs)), g.inputs):
+        tt = g.tensors[t]
+        dtype = jnp.dtype(tt.dtype)
+        env[t] = (0.1 * jax.random.normal(k, tt.shape, dtype)
+                  if jnp.issubdtype(dtype, jnp.floating)
+                  else jax.random.randint(k, tt.shape, 0, CFG.vocab_size).astype(dtype))
+    replay(prog.fb, range(len(g.nodes)), env)
+    return [np.asarray(env[t], np.float64) for t in g.outputs]
+
+
+@pytest.mark.parametrize("first, last", [(1, 4), (0, 6)])   # blocks; the whole model
+def test_a_stage_chained_from_its_layers_is_the_vjp_of_the_whole_range(first, last):
+    """`stage_program` with cuts chains its layers' programs; `jax.vjp` of the whole range
+    (each made on its own trace of the step, so neither reads the other's from memory)
+    gives the same values, forward and backward, and keeps the same residuals. The whole
+    model reads the tied token embedding in its first and last layers: its gradient is
+    the sum of both."""
+    cfg = dataclasses.replace(CFG, num_layers=4)
+    progs = []
+    for chained in (False, True):
+        step = al.parallelize(gpt.make_train_step(cfg, TX), method=al.Auto())
+        fwd = step.parts(*gpt.abstract_args(cfg, 8, TX), num_micro_batches=2).forward
+        bounds = layer_node_ranges(forward_layers(fwd, num_layers=6), len(fwd.graph.nodes))
+        assert len(bounds) == 6
+        cuts = pipeline.layer_cuts(bounds, first, last - 1) if chained else ()
+        progs.append(stage_program(fwd, bounds[first][0], bounds[last - 1][1], cuts))
+    whole, chain = progs
+    assert chain.cuts == tuple(b[0] for b in bounds[first + 1:last]) and not whole.cuts
+    assert len(chain.fb.graph.inputs) == len(whole.fb.graph.inputs)
+    assert [chain.fb.graph.tensors[t].nbytes for t in chain.residuals] == \
+        [whole.fb.graph.tensors[t].nbytes for t in whole.residuals]
+    assert len(chain.fwd_nodes) == len(whole.fwd_nodes)
+    for a, b in zip(_fb_values(whole, jax.random.key(0)), _fb_values(chain, jax.random.key(0))):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
 
 
 def test_a_replicas_share_of_a_micro_batch_is_the_micro_batch_of_a_larger_count():

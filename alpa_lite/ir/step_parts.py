@@ -416,6 +416,7 @@ class StageProgram:
     remat_nodes: tuple[int, ...]      # fb node ids run in the backward task with remat
     residuals: tuple[int, ...]        # fb tensor ids kept from forward to backward
     structure: str                    # hash: equal for ranges that compute the same way
+    cuts: tuple[int, ...] = ()        # forward node positions where its layers meet
 
     @property
     def fb_params(self) -> tuple[int, ...]:
@@ -536,13 +537,21 @@ _PROGRAMS: "weakref.WeakKeyDictionary[OpGraph, dict[str, StageProgram]]" = \
     weakref.WeakKeyDictionary()
 
 
-def stage_program(forward: TracedStep, start: int, stop: int) -> StageProgram:
+def stage_program(forward: TracedStep, start: int, stop: int,
+                  cuts: Sequence[int] = ()) -> StageProgram:
     """The forward and backward programs of forward nodes [start, stop) (see StageProgram).
 
     Ranges of one forward graph with the same `structure_hash`, whose same inputs and
     outputs carry gradients, share one traced program (repeated layers, and stages of as
     many repeated layers, are traced once, whoever asks: the planner's layer search, its
-    textbook layouts, the gradient-sync check of each candidate, the runtime)."""
+    textbook layouts, the gradient-sync check of each candidate, the runtime).
+
+    `cuts`: node positions inside the range where it may be cut into pieces (the layer
+    boundaries). The range's program is then chained from its pieces' programs, each
+    differentiated once per structure (`_chained`), instead of `jax.vjp` of the whole
+    range: the same values (the chain rule, as `jax.vjp` applies it), made several times
+    faster, since a stage of many layers is traced as a replay of graphs already
+    differentiated. Pieces are single ranges (never cut further)."""
     g = forward.graph
     ins, outs = range_io(g, start, stop)
     dep = _param_dependent(g)
@@ -554,9 +563,11 @@ def stage_program(forward: TracedStep, start: int, stop: int) -> StageProgram:
         "".join("1" if d else "0" for d in diff_acts + diff_outs)
     known = _PROGRAMS.setdefault(g, {})
     like = known.get(structure)
+    bounds = [start, *sorted({c for c in cuts if start < c < stop}), stop]
     if like is not None:
         return dataclasses.replace(like, start=start, stop=stop, params=tuple(params),
-                                   acts=tuple(acts), outputs=tuple(outs))
+                                   acts=tuple(acts), outputs=tuple(outs),
+                                   cuts=tuple(bounds[1:-1]))
     node_ids = list(range(start, stop))
     P, A = len(params), len(acts)
 
@@ -581,6 +592,9 @@ def stage_program(forward: TracedStep, start: int, stop: int) -> StageProgram:
         vals = [next(dv) if d else next(nv) for d in diff_outs]
         return tuple(vals) + tuple(gp) + tuple(ga)
 
+    if len(bounds) > 2:
+        fb = _chained([stage_program(forward, a, b) for a, b in zip(bounds, bounds[1:])],
+                      params, acts, diff_acts, outs, diff_outs)
     avals = [g.tensors[t] for t in params + acts] + [g.tensors[t] for t, d in zip(outs, diff_outs) if d]
     roles = [Role.PARAM] * P + [Role.BATCH] * (len(avals) - P)
     names = [g.tensors[t].name for t in params + acts] + \
@@ -592,8 +606,55 @@ def stage_program(forward: TracedStep, start: int, stop: int) -> StageProgram:
         start=start, stop=stop, fb=fb_traced, params=tuple(params), acts=tuple(acts),
         diff_acts=tuple(diff_acts), outputs=tuple(outs), diff_outputs=tuple(diff_outs),
         fwd_nodes=fwd, bwd_nodes=bwd, remat_nodes=remat, residuals=residuals,
-        structure=structure)
+        structure=structure, cuts=tuple(bounds[1:-1]))
     return known[structure]
+
+
+def _chained(pieces: Sequence[StageProgram], params, acts, diff_acts, outs, diff_outs):
+    """The fb function (`StageProgram`) of consecutive ranges run as one: each piece's
+    forward nodes in order, then each piece's backward nodes in reverse order, fed the
+    cotangents of its outputs summed over the later pieces that read them and the range's
+    own cotangents; a parameter read by several pieces gets the sum of their gradients.
+    Pieces are replayed from their traced graphs, forward tensor ids wiring them."""
+    P, A = len(params), len(acts)
+
+    def fb(*leaves):
+        val = dict(zip(params, leaves[:P]))          # forward tensor id -> value
+        val.update(zip(acts, leaves[P:P + A]))
+        envs = []
+        for piece in pieces:
+            env = {t_fb: val[t] for t_fb, t in zip(piece.fb.graph.inputs,
+                                                   piece.params + piece.acts)}
+            replay(piece.fb, piece.fwd_nodes, env)
+            val.update((t, env[t_fb]) for t_fb, t in zip(piece.fb_outputs, piece.outputs))
+            envs.append(env)
+        # Cotangent per forward tensor, summed over its readers (and the range's own).
+        ct = dict(zip([t for t, d in zip(outs, diff_outs) if d], leaves[P + A:]))
+        grads: dict[int, Any] = {}
+        for piece, env in zip(reversed(pieces), reversed(envs)):
+            g = piece.fb.graph
+            for t_fb, t in zip(piece.fb_cts, [t for t, d in zip(piece.outputs,
+                                                                 piece.diff_outputs) if d]):
+                tt = g.tensors[t_fb]
+                env[t_fb] = ct[t] if t in ct else jnp.zeros(tt.shape, as_dtype(tt.dtype))
+            replay(piece.fb, piece.bwd_nodes, env)
+            for t_fb, t in zip(piece.fb_param_grads, piece.params):
+                grads[t] = _summed(grads.get(t), env[t_fb])
+            for t_fb, t in zip(piece.fb_act_grads, [t for t, d in zip(piece.acts,
+                                                                       piece.diff_acts) if d]):
+                ct[t] = _summed(ct.get(t), env[t_fb])
+        return tuple(val[t] for t in outs) + tuple(grads[t] for t in params) + \
+            tuple(ct[t] for t, d in zip(acts, diff_acts) if d)
+
+    return fb
+
+
+def _summed(a, b):
+    """Two contributions to one gradient (None: none yet); a non-float's (`float0`) gradient
+    is nothing to add."""
+    if a is None:
+        return b
+    return a if a.dtype == jax.dtypes.float0 else a + b
 
 
 def param_homes(progs: Sequence[StageProgram]) -> dict[int, int]:

@@ -214,7 +214,7 @@ def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
     if axes and (m > 1 or exchange is not None):
         try:
             local_fwd, scale = local_forward(parts, math.prod(mesh.axis_size(a) for a in axes))
-            local = stage_program(local_fwd, prog.start, prog.stop)
+            local = stage_program(local_fwd, prog.start, prog.stop, prog.cuts)
             why = splits_only_batch(parts, prog, local, stage, mesh, axes, fwd_bdims)
         except PlanningError as e:
             why = str(e)

@@ -36,7 +36,7 @@ import collections
 import dataclasses
 import math
 import warnings
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -248,10 +248,17 @@ class PipelinePlanner:
             return mesh
         return LogicalMesh((1,) + mesh.shape[1:], mesh.axis_names, mesh.device_offset)
 
-    def program(self, start: int, stop: int) -> StageProgram:
+    def program(self, start: int, stop: int, cuts: Sequence[int] = ()) -> StageProgram:
+        """The stage program of forward nodes [start, stop); `cuts`: the layer starts
+        inside it (`stage_program` chains the layers' programs)."""
         if (start, stop) not in self.programs:
-            self.programs[(start, stop)] = stage_program(self.parts.forward, start, stop)
+            self.programs[(start, stop)] = stage_program(self.parts.forward, start, stop, cuts)
         return self.programs[(start, stop)]
+
+    def layers_program(self, bounds: Sequence[tuple[int, int]], a: int, b: int
+                       ) -> StageProgram:
+        """The stage program of layers a..b (`bounds`: each layer's node range)."""
+        return self.program(bounds[a][0], bounds[b][1], layer_cuts(bounds, a, b))
 
     def seeds(self, prog: StageProgram) -> dict[int, int | None]:
         """Batch dimension of each fb input that is not a parameter (cotangents follow their
@@ -628,6 +635,12 @@ def layer_node_ranges(starts: tuple[int, ...], n: int) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
+def layer_cuts(bounds: Sequence[tuple[int, int]], a: int, b: int) -> tuple[int, ...]:
+    """Where layers a..b (`bounds`: each layer's node range) meet: the `cuts` of their
+    stage program."""
+    return tuple(bounds[i][0] for i in range(a + 1, b + 1))
+
+
 def _send_time(cluster: Cluster, nbytes: float, a: StagePlan, b: StagePlan) -> float:
     """Moving a stage's outputs to the next submesh: every byte crosses once, spread over
     the device pairs of the smaller submesh, on the link that joins the two."""
@@ -891,7 +904,7 @@ def manual_memory_floor(parts: StepParts, method: Manual, cluster: Cluster,
     worst = 0.0
     for s in sorted(range(len(ranges)), key=lambda s: -held[s]):
         a, b = ranges[s]
-        prog = planner.program(bounds[a][0], bounds[b][1])
+        prog = planner.layers_program(bounds, a, b)
         fb = prog.fb.graph
         weights = {t: method.tp for t in prog.fb_params + prog.fb_param_grads}
 
@@ -1038,7 +1051,7 @@ def _fit_stages(planner: PipelinePlanner, method, bounds, chosen, m: int):
     budget = (method.memory_budget_bytes if isinstance(method, Auto) else None) or \
         planner.cluster.device.memory_bytes
     manual = method if isinstance(method, Manual) else None
-    progs = [planner.program(bounds[a][0], bounds[b][1]) for (a, b), _, _, _ in chosen]
+    progs = [planner.layers_program(bounds, a, b) for (a, b), _, _, _ in chosen]
     # The stages' whole plans on every core at once (a Manual layout's are all new).
     planner.prefetch((prog, mesh, manual, lean)
                      for prog, (_, mesh, _, lean) in zip(progs, chosen))
@@ -1150,7 +1163,7 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
     # The stages walk in rounds: each round plans the next candidate of every stage still
     # walking together, on every core (`prefetch`); a stage's walk reads only its own
     # candidates, so this decides what walking the stages one after another would.
-    walks = [walk(s, planner.program(bounds[a][0], bounds[b][1]), both(a, b, mesh, remat))
+    walks = [walk(s, planner.layers_program(bounds, a, b), both(a, b, mesh, remat))
              for s, ((a, b), mesh, remat, _) in enumerate(chosen)]
     wanted: dict[int, tuple] = {}       # stage -> the job its walk reads next
     ended: dict[int, tuple] = {}        # stage -> its walk's (best, weighed)

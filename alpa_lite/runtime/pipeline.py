@@ -112,7 +112,8 @@ class _Stage:
             self.reduce = None
         else:
             replicas = self.replicas = math.prod(self.mesh.shape[a] for a in self.axes)
-            local = stage_program(local_forward(parts, replicas)[0], prog.start, prog.stop)
+            local = stage_program(local_forward(parts, replicas)[0], prog.start, prog.stop,
+                                  prog.cuts)
             lfb = local.fb.graph
             auto = lambda s: _auto_spec(s, self.axes)         # noqa: E731
 
@@ -201,7 +202,7 @@ class PipelineExecutable:
         self.stages = []
         for st in plan.stages:
             a, b = st.layers
-            prog = stage_program(parts.forward, starts[a], starts[b + 1])
+            prog = stage_program(parts.forward, starts[a], starts[b + 1], starts[a + 1:b + 1])
             self.stages.append(_Stage(parts, prog, st, devices,
                                       seed=compression_seed * 1009 + len(self.stages)))
         self.step = 0   # steps run: the compressed exchanges' phase and keys follow it

@@ -210,7 +210,7 @@ def rebuild_stage(plan: Plan, step_fn, args, cluster: Cluster, stage: int = 0,
     if b >= len(bounds):
         raise ValueError(f"the plan's stage {stage} runs layers {a}..{b} but the step has "
                          f"{len(bounds)} layers; the step is not the one planned")
-    prog = planner.program(bounds[a][0], bounds[b][1])
+    prog = planner.layers_program(bounds, a, b)
     mesh = LogicalMesh(tuple(st.mesh_shape), tuple(st.axis_names), device_offset=st.devices[0])
     pins = Manual(dp=st.mesh_shape[0], tp=st.mesh_shape[1]) if manual else None
     # A memory-lean stage only narrowed the parameters' choices: its choice is in the
