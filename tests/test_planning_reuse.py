@@ -158,7 +158,8 @@ def test_a_stage_chained_from_its_layers_is_the_vjp_of_the_whole_range(first, la
     progs = []
     for chained in (False, True):
         step = al.parallelize(gpt.make_train_step(cfg, TX), method=al.Auto())
-        fwd = step.parts(*gpt.abstract_args(cfg, 8, TX), num_micro_batches=2).forward
+        parts = step.parts(*gpt.abstract_args(cfg, 8, TX), num_micro_batches=2)
+        fwd = parts.forward
         bounds = layer_node_ranges(forward_layers(fwd, num_layers=6), len(fwd.graph.nodes))
         assert len(bounds) == 6
         cuts = pipeline.layer_cuts(bounds, first, last - 1) if chained else ()
@@ -171,6 +172,13 @@ def test_a_stage_chained_from_its_layers_is_the_vjp_of_the_whole_range(first, la
     assert len(chain.fwd_nodes) == len(whole.fwd_nodes)
     for a, b in zip(_fb_values(whole, jax.random.key(0)), _fb_values(chain, jax.random.key(0))):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+    # Asked uncut, the range is its own vjp (the two graphs differ); a replica's program,
+    # made with the stage's cuts, is the stage's node for node.
+    uncut = stage_program(fwd, chain.start, chain.stop)
+    assert uncut.fb is not chain.fb and not uncut.cuts
+    local = stage_program(local_forward(parts, 2)[0], chain.start, chain.stop, chain.cuts)
+    assert [n.primitive for n in local.fb.graph.nodes] == \
+        [n.primitive for n in chain.fb.graph.nodes]
 
 
 def test_a_replicas_share_of_a_micro_batch_is_the_micro_batch_of_a_larger_count():

@@ -5,9 +5,10 @@ and a backward, and the apply-gradient part placed with the parameters it update
 `alpa_grad_call` node, see `markers.capture_grad_calls`) and traces the loss function alone
 at micro-batch size: that *forward graph* is what layers and stages cut. `stage_program`
 turns a contiguous node range of it into a `StageProgram`: a traced forward+backward graph
-(`jax.vjp` of the range), split into the part that runs when the micro-batch goes forward
-and the part that runs when its gradient comes back. The same function gives a single
-layer's program, which is how the stage DP is costed.
+(`jax.vjp` of the range, or, for a stage of several layers, its layers' programs chained),
+split into the part that runs when the micro-batch goes forward and the part that runs
+when its gradient comes back. The same function gives a single layer's program, which is
+how the stage DP is costed.
 
 Micro-batching changes a step's math unless every example's loss is independent of the
 others (no batch statistics, no capacity over the whole batch) and the loss is a mean or a
@@ -398,10 +399,10 @@ def _traced_locally(parts: StepParts, replicas: int) -> tuple[TracedStep, float]
 class StageProgram:
     """Forward nodes `[start, stop)` of the forward graph as a pipeline stage.
 
-    `fb` is the traced `jax.vjp` of the range: its inputs are the stage's parameters, its
-    other inputs (activations from earlier stages, batch leaves), and a cotangent per
-    differentiable output; its outputs are the stage's outputs, the parameter gradients and
-    the gradients of the differentiable activation inputs.
+    `fb` is the traced `jax.vjp` of the range (or its pieces' chained, `cuts`): its inputs
+    are the stage's parameters, its other inputs (activations from earlier stages, batch
+    leaves), and a cotangent per differentiable output; its outputs are the stage's outputs,
+    the parameter gradients and the gradients of the differentiable activation inputs.
     """
     start: int
     stop: int
@@ -559,11 +560,16 @@ def stage_program(forward: TracedStep, start: int, stop: int,
     acts = [t for t in ins if g.tensors[t].role is not Role.PARAM]
     diff_acts = [t in dep and _is_float(g.tensors[t].dtype) for t in acts]
     diff_outs = [t in dep and _is_float(g.tensors[t].dtype) for t in outs]
+    bounds = [start, *sorted({c for c in cuts if start < c < stop}), stop]
+    # A chained program is another graph than the range's own vjp (the same values; its
+    # backward recomputes constants its forward made, which one vjp shares): ranges share
+    # a program only if cut alike, so that a stage and its per-replica program (made
+    # with the stage's cuts) always match node for node.
     structure = structure_hash(forward, start, stop) + "/" + \
-        "".join("1" if d else "0" for d in diff_acts + diff_outs)
+        "".join("1" if d else "0" for d in diff_acts + diff_outs) + \
+        "".join(f"/{c - start}" for c in bounds[1:-1])
     known = _PROGRAMS.setdefault(g, {})
     like = known.get(structure)
-    bounds = [start, *sorted({c for c in cuts if start < c < stop}), stop]
     if like is not None:
         return dataclasses.replace(like, start=start, stop=stop, params=tuple(params),
                                    acts=tuple(acts), outputs=tuple(outs),
