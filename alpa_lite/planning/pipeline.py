@@ -187,7 +187,7 @@ class PipelinePlanner:
         fwd = parts.forward.graph
         self.fwd_bdims = batch_dims(fwd)
         self.opt_ratio = _opt_state_ratio(parts)
-        self.programs: dict[tuple[int, int], StageProgram] = {}
+        self.programs: dict[tuple, StageProgram] = {}     # by (start, stop, cuts)
         self.costs: dict[tuple, StageCost] = {}
         self.ilps = 0           # intra-op problems solved
         self.build_s = 0.0
@@ -251,9 +251,10 @@ class PipelinePlanner:
     def program(self, start: int, stop: int, cuts: Sequence[int] = ()) -> StageProgram:
         """The stage program of forward nodes [start, stop); `cuts`: the layer starts
         inside it (`stage_program` chains the layers' programs)."""
-        if (start, stop) not in self.programs:
-            self.programs[(start, stop)] = stage_program(self.parts.forward, start, stop, cuts)
-        return self.programs[(start, stop)]
+        key = (start, stop, tuple(cuts))
+        if key not in self.programs:
+            self.programs[key] = stage_program(self.parts.forward, start, stop, cuts)
+        return self.programs[key]
 
     def layers_program(self, bounds: Sequence[tuple[int, int]], a: int, b: int
                        ) -> StageProgram:
