@@ -560,21 +560,41 @@ def stage_program(forward: TracedStep, start: int, stop: int,
     acts = [t for t in ins if g.tensors[t].role is not Role.PARAM]
     diff_acts = [t in dep and _is_float(g.tensors[t].dtype) for t in acts]
     diff_outs = [t in dep and _is_float(g.tensors[t].dtype) for t in outs]
-    bounds = [start, *sorted({c for c in cuts if start < c < stop}), stop]
+    inner = tuple(sorted({c for c in cuts if start < c < stop}))
     # A chained program is another graph than the range's own vjp (the same values; its
     # backward recomputes constants its forward made, which one vjp shares): ranges share
     # a program only if cut alike, so that a stage and its per-replica program (made
     # with the stage's cuts) always match node for node.
     structure = structure_hash(forward, start, stop) + "/" + \
         "".join("1" if d else "0" for d in diff_acts + diff_outs) + \
-        "".join(f"/{c - start}" for c in bounds[1:-1])
+        "".join(f"/{c - start}" for c in inner)
     known = _PROGRAMS.setdefault(g, {})
     like = known.get(structure)
     if like is not None:
         return dataclasses.replace(like, start=start, stop=stop, params=tuple(params),
-                                   acts=tuple(acts), outputs=tuple(outs),
-                                   cuts=tuple(bounds[1:-1]))
-    node_ids = list(range(start, stop))
+                                   acts=tuple(acts), outputs=tuple(outs), cuts=inner)
+    bounds = (start, *inner, stop)
+    fb = _chained([stage_program(forward, a, b) for a, b in zip(bounds, bounds[1:])],
+                  params, acts, diff_acts, outs, diff_outs) if inner else \
+        _range_vjp(forward, range(start, stop), params, acts, diff_acts, outs, diff_outs)
+    avals = [g.tensors[t] for t in params + acts] + [g.tensors[t] for t, d in zip(outs, diff_outs) if d]
+    roles = [Role.PARAM] * len(params) + [Role.BATCH] * (len(avals) - len(params))
+    names = [g.tensors[t].name for t in params + acts] + \
+        [f"d/{g.tensors[t].name}" for t, d in zip(outs, diff_outs) if d]
+    fb_traced = trace_flat(fb, [jax.ShapeDtypeStruct(t.shape, as_dtype(t.dtype)) for t in avals],
+                           roles, names)
+    fwd, bwd, remat, residuals = _split_fb(fb_traced.graph, len(params) + len(acts), len(outs))
+    known[structure] = StageProgram(
+        start=start, stop=stop, fb=fb_traced, params=tuple(params), acts=tuple(acts),
+        diff_acts=tuple(diff_acts), outputs=tuple(outs), diff_outputs=tuple(diff_outs),
+        fwd_nodes=fwd, bwd_nodes=bwd, remat_nodes=remat, residuals=residuals,
+        structure=structure, cuts=inner)
+    return known[structure]
+
+
+def _range_vjp(forward: TracedStep, node_ids, params, acts, diff_acts, outs, diff_outs):
+    """The fb function (`StageProgram`) of forward nodes `node_ids` as one `jax.vjp` of
+    their replay."""
     P, A = len(params), len(acts)
 
     def fb(*leaves):
@@ -598,22 +618,7 @@ def stage_program(forward: TracedStep, start: int, stop: int,
         vals = [next(dv) if d else next(nv) for d in diff_outs]
         return tuple(vals) + tuple(gp) + tuple(ga)
 
-    if len(bounds) > 2:
-        fb = _chained([stage_program(forward, a, b) for a, b in zip(bounds, bounds[1:])],
-                      params, acts, diff_acts, outs, diff_outs)
-    avals = [g.tensors[t] for t in params + acts] + [g.tensors[t] for t, d in zip(outs, diff_outs) if d]
-    roles = [Role.PARAM] * P + [Role.BATCH] * (len(avals) - P)
-    names = [g.tensors[t].name for t in params + acts] + \
-        [f"d/{g.tensors[t].name}" for t, d in zip(outs, diff_outs) if d]
-    fb_traced = trace_flat(fb, [jax.ShapeDtypeStruct(t.shape, as_dtype(t.dtype)) for t in avals],
-                           roles, names)
-    fwd, bwd, remat, residuals = _split_fb(fb_traced.graph, P + A, len(outs))
-    known[structure] = StageProgram(
-        start=start, stop=stop, fb=fb_traced, params=tuple(params), acts=tuple(acts),
-        diff_acts=tuple(diff_acts), outputs=tuple(outs), diff_outputs=tuple(diff_outs),
-        fwd_nodes=fwd, bwd_nodes=bwd, remat_nodes=remat, residuals=residuals,
-        structure=structure, cuts=tuple(bounds[1:-1]))
-    return known[structure]
+    return fb
 
 
 def _chained(pieces: Sequence[StageProgram], params, acts, diff_acts, outs, diff_outs):
