@@ -11,12 +11,13 @@ import optax
 import pytest
 
 import alpa_lite as al
-from alpa_lite.errors import PlanningError
+from alpa_lite.errors import MemoryBudgetError, PlanningError
 from alpa_lite.ir.graph import Node, OpGraph, Role, Tensor
 from alpa_lite.plan import Plan
 from alpa_lite.plan.memory import MemoryEstimate
 from alpa_lite.plan.sharding import LogicalMesh, TensorSpec
 from alpa_lite.planning.memory import held_micro_batches, solve_within_memory, stage_memory
+from alpa_lite.planning.pipeline import NoPipelineError, StageSearch, settle_stages
 from alpa_lite.tools.models import mlp
 
 # ---- hand-built program: x @ w -> tanh -> sum ------------------------------------------
@@ -217,6 +218,52 @@ def test_solve_within_memory_tightens_the_ilp_budget_by_the_overshoot():
     assert est.total == 800.0
     with pytest.raises(PlanningError, match="budget"):
         solve_within_memory(_FakeBuilt(), 350.0, lambda r: MemoryEstimate(activations=r.total))
+
+
+def _searches(*outcomes):
+    """A stage search answering each DP budget with the next of `outcomes`: a StageSearch
+    (latency, overshoot) or an exception to raise; the budgets asked are recorded."""
+    asked = []
+
+    def search(dp_budget):
+        asked.append(dp_budget)
+        out = outcomes[len(asked) - 1]
+        if isinstance(out, Exception):
+            raise out
+        latency, overshoot = out
+        return StageSearch([f"pipeline {len(asked)}"], None, (), [], latency, overshoot)
+    return search, asked
+
+
+def test_a_stage_polish_slowed_to_fit_sends_the_dp_back_with_less_and_the_faster_is_kept():
+    # First pipeline: 10 s, but a stage as the DP chose it needed 1250 bytes of 1000 and
+    # polish slowed it to fit. The DP searches again with 1000 / 1250 x 0.98 of its budget
+    # and makes an 8 s pipeline with nothing slowed: kept, no third search.
+    search, asked = _searches((10.0, 1250.0), (8.0, None), (1.0, None))
+    best = settle_stages(search, 1000.0, m=4)
+    assert best.chosen == ["pipeline 2"] and best.latency_s == 8.0
+    assert asked == [1000.0, pytest.approx(1000.0 * 1000.0 / 1250.0 * 0.98)]
+    # The second is slower: the first is kept and the search stops there.
+    search, asked = _searches((10.0, 1250.0), (12.0, 1100.0), (1.0, None))
+    assert settle_stages(search, 1000.0, m=4).chosen == ["pipeline 1"]
+    assert len(asked) == 2
+    # Nothing slowed: one search.
+    search, asked = _searches((10.0, None), (1.0, None))
+    assert settle_stages(search, 1000.0, m=4).chosen == ["pipeline 1"] and len(asked) == 1
+    # The DP finds nothing within the lowered budget: the pipeline it had stands.
+    search, asked = _searches((10.0, 1250.0), NoPipelineError("no pipeline plan fits"))
+    assert settle_stages(search, 1000.0, m=4).chosen == ["pipeline 1"]
+
+
+def test_a_stage_that_does_not_fit_sends_the_dp_back_until_one_fits_or_says_how_close():
+    search, asked = _searches(MemoryBudgetError("stage 2 over", 2000.0), (9.0, None))
+    assert settle_stages(search, 1000.0, m=4).chosen == ["pipeline 2"]
+    assert asked == [1000.0, pytest.approx(1000.0 * 1000.0 / 2000.0 * 0.98)]
+    search, asked = _searches(*[MemoryBudgetError("over", peak) for peak in (2000.0, 1500.0,
+                                                                          1700.0, 1600.0)])
+    with pytest.raises(MemoryBudgetError, match="after 4 stage search") as e:
+        settle_stages(search, 1000.0, m=4)
+    assert e.value.peak_bytes == 1500.0 and len(asked) == 4
 
 
 def test_pipeline_stages_hold_what_the_schedule_holds():

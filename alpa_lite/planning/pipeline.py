@@ -36,7 +36,7 @@ import collections
 import dataclasses
 import math
 import warnings
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -994,49 +994,83 @@ def _remat_choice(stages, alternatives: list[Alternative], by_user: bool) -> Cho
 
 
 FIT_ATTEMPTS = 4
-"""Stage searches an Auto pipeline may take to fit: each after the first runs the stage DP
-with its budget lowered by the overshoot of the stage that did not fit."""
+"""Stage searches an Auto pipeline may take: each after the first runs the stage DP with its
+budget lowered by the overshoot of a stage that did not fit whole as the DP chose it."""
 
 
-def _auto_stages(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m: int,
-                 alternatives: list[Alternative]):
-    """The stage DP's pipeline, its stages re-planned whole and fitted to the budget.
+class NoPipelineError(PlanningError):
+    """The stage DP found no pipeline within the budget it was given (a stage search's
+    answer, not a failure: `settle_stages` stops searching)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSearch:
+    """One stage search (the DP at one budget, its stages polished and fitted whole) and
+    how it came out: the pipeline (`chosen`, the DP's statistics, the fitted stages and
+    what was weighed, as `_auto_stages` returns them), its latency by the DP's formula on
+    the whole stages' times, and `overshoot_bytes`, the largest whole-stage peak over the
+    budget of a stage planned as the DP chose it where polish took a slower plan that fits
+    (None: polish gave up no time)."""
+    chosen: list
+    dp_stats: object
+    fitted: tuple
+    weighed: list
+    latency_s: float
+    overshoot_bytes: float | None
+
+
+def settle_stages(search: Callable[[float], StageSearch], budget: float, m: int,
+                  attempts: int = FIT_ATTEMPTS) -> StageSearch:
+    """The fastest pipeline of up to `attempts` stage searches (`search(dp_budget)`), the
+    first at `budget`. `search` raises NoPipelineError where the DP finds no pipeline
+    within its budget, MemoryBudgetError where a stage of its pipeline does not fit.
 
     The DP sums its layers' memory; a whole stage can need more (the resharding between
-    layers, workspace). Where a chosen stage does not fit even after `_polish` and
-    `_fit_stage` tried its other meshes, remat and a tighter ILP budget, the DP runs again
-    with its budget lowered by that stage's overshoot, so it cuts the layers another way,
-    recomputes, or takes a bigger submesh. A plan is returned only when every stage's
-    whole-stage estimate fits.
+    layers, workspace). Where a chosen stage does not fit even after polish and the fit
+    tried its other meshes, remat and a tighter ILP budget (`search` raises
+    MemoryBudgetError), the DP runs again with its budget lowered by that stage's
+    overshoot, so it cuts the layers another way, recomputes, or takes a bigger submesh.
+
+    Where every stage fits only because polish gave up time to fit one (the DP's choice was
+    over the budget whole, and the stage now recomputes, splits its parameters finer or
+    takes another mesh), the pipeline is not the one the DP weighed: that stage can become
+    the slowest and set the pace of every micro-batch (GPT-175B on 1024 A100s at 256
+    micro-batches: two stages fell back to remat, 0.128 s per micro-batch against the
+    DP's 0.10 s, and the step went to 36.5 s). So the DP runs again with its budget lowered
+    by that overshoot, and the faster pipeline is kept, while searching again helps.
 
     Raises:
-      MemoryBudgetError: no pipeline with these micro-batches fits; `peak_bytes` is the
-        smallest peak any tried stage reached.
+      MemoryBudgetError: no search made a pipeline that fits; `peak_bytes` is the smallest
+        peak any tried stage reached.
     """
-    budget = method.memory_budget_bytes or cluster.device.memory_bytes
     dp_budget = budget
     smallest = math.inf
     last: Exception | None = None
     searches = 0
-    for _ in range(FIT_ATTEMPTS):
+    best: StageSearch | None = None
+    for _ in range(attempts):
         searches += 1
-        weighed: list[Alternative] = []
         try:
-            chosen, dp_stats = _search(planner, method, cluster, bounds, m, weighed, dp_budget)
-        except PlanningError as e:
-            last = e
-            break
-        chosen = _polish(planner, method, cluster, bounds, chosen, m, weighed)
-        try:
-            fitted = _fit_stages(planner, method, bounds, chosen, m)
+            found = search(dp_budget)
         except MemoryBudgetError as e:
             last = e
             smallest = min(smallest, e.peak_bytes)
+            if best is not None:
+                break
             # A stage overshot by e.peak_bytes / budget: ask the DP for that much less.
             dp_budget *= budget / e.peak_bytes * 0.98
             continue
-        alternatives.extend(weighed)
-        return chosen, dp_stats, fitted
+        except NoPipelineError as e:
+            last = e
+            break
+        if best is not None and found.latency_s >= best.latency_s:
+            break
+        best = found
+        if found.overshoot_bytes is None:
+            break
+        dp_budget *= budget / found.overshoot_bytes * 0.98
+    if best is not None:
+        return best
     peak = f"; the smallest stage peak reached was {format_bytes(smallest)}" \
         if smallest < math.inf else ""
     raise MemoryBudgetError(
@@ -1044,6 +1078,74 @@ def _auto_stages(planner: PipelinePlanner, method: Auto, cluster: Cluster, bound
         f"after {searches} stage search(es){peak}: {str(last).rstrip('.')}. Use more "
         "micro-batches, more devices or a smaller batch, or raise memory_budget_bytes",
         smallest if smallest < math.inf else getattr(last, "peak_bytes", math.inf))
+
+
+def _auto_stages(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m: int,
+                 alternatives: list[Alternative]):
+    """The stage DP's pipeline, its stages re-planned whole and fitted to the budget
+    (`settle_stages`). A plan is returned only when every stage's whole-stage estimate fits.
+
+    Raises:
+      MemoryBudgetError: no pipeline with these micro-batches fits; `peak_bytes` is the
+        smallest peak any tried stage reached.
+    """
+    budget = method.memory_budget_bytes or cluster.device.memory_bytes
+
+    def search(dp_budget: float) -> StageSearch:
+        weighed: list[Alternative] = []
+        try:
+            dp_chosen, dp_stats = _search(planner, method, cluster, bounds, m, weighed,
+                                          dp_budget)
+        except PlanningError as e:
+            raise NoPipelineError(str(e)) from None
+        chosen = _polish(planner, method, cluster, bounds, dp_chosen, m, weighed)
+        fitted = _fit_stages(planner, method, bounds, chosen, m)
+        return StageSearch(chosen, dp_stats, fitted, weighed,
+                           _dp_latency(chosen, fitted[1], m),
+                           _polished_overshoot(planner, method, bounds, dp_chosen, chosen,
+                                               fitted[1], m, budget))
+
+    best = settle_stages(search, budget, m)
+    alternatives.extend(best.weighed)
+    return best.chosen, best.dp_stats, best.fitted
+
+
+def _dp_latency(chosen, costs: Sequence[StageCost], m: int) -> float:
+    """The stage DP's pipeline latency (sum + (m - 1) x the slowest) on the whole stages'
+    times."""
+    t = [_stage_time(choice, c, m) for choice, c in zip(chosen, costs)]
+    return sum(t) + (m - 1) * max(t)
+
+
+def _polished_overshoot(planner: PipelinePlanner, method: Auto, bounds, dp_chosen, chosen,
+                        costs: Sequence[StageCost], m: int, budget: float) -> float | None:
+    """The largest whole-stage peak, over the budget, of a stage planned as the DP chose it
+    where `_polish` took a slower plan that fits instead (None: no such stage)."""
+    S = len(chosen)
+    worst = None
+    for s, (dp_choice, choice, fitted) in enumerate(zip(dp_chosen, chosen, costs)):
+        (a, b), mesh, remat, lean = dp_choice
+        prog = planner.layers_program(bounds, a, b)
+        key = planner.job_key(prog, mesh, None, lean)
+        # A DP choice `_polish` did not plan lost, by its layer sum, to a plan that fits:
+        # polish gave up no time on it.
+        if choice == dp_choice or key not in planner.costs or \
+                isinstance(planner.costs[key], PlanningError):
+            continue
+        cost = planner.cost(prog, mesh, None, lean)
+        if _stage_time(choice, fitted, m) <= _stage_time(dp_choice, cost, m):
+            continue        # polish found a faster plan, not a slower one that fits
+        peak = stage_estimate(planner, prog, cost, mesh,
+                              held_micro_batches(method.schedule, S, s, m), remat).total
+        if peak > budget and (worst is None or peak > worst):
+            worst = peak
+    return worst
+
+
+def _stage_time(choice, cost: StageCost, m: int) -> float:
+    """A stage's time per micro-batch as the stage DP weighs it."""
+    remat = choice[2]
+    return cost.forward_s * (2 if remat else 1) + cost.search_backward_s(m)
 
 
 def _fit_stages(planner: PipelinePlanner, method, bounds, chosen, m: int):
