@@ -1,5 +1,6 @@
 """How long `step.plan(...)` takes with `al.Auto()` and nothing set, per model x cluster
-(and, for the "-one-stage" case, `Auto(pipeline=False)`).
+(and, for the "-one-stage" case, `Auto(pipeline=False)`; with --num-micro-batches M,
+`Auto(num_micro_batches=M)`, the count a user fixed).
 
 Every timing is one whole `step.plan(*abstract_args, cluster=...)` call in a fresh
 process (a fresh `al.parallelize`, nothing reused in memory), with the disk cache off
@@ -21,6 +22,7 @@ Run:
     python bench/planning_time.py --cases gpt-1.3b gpt-39b          # the headline cases
     python bench/planning_time.py --ladder gpt --exhaustive         # a ladder, with checks
     python bench/planning_time.py --quick                           # GPT-1.3B only
+    python bench/planning_time.py --cases gpt-39b --num-micro-batches 1024   # a fixed count
 Writes bench/results/planning_time.json (--out to change).
 """
 
@@ -94,7 +96,8 @@ def worker(spec: dict) -> dict:
         cfg = dataclasses.replace(cfg, dtype="float16")
     tx = optax.adamw(1e-4)
     method = al.Auto(exhaustive=spec.get("exhaustive", False),
-                     pipeline=False if spec.get("one_stage") else None)
+                     pipeline=False if spec.get("one_stage") else None,
+                     num_micro_batches=spec.get("num_micro_batches"))
     step = al.parallelize(mod.make_train_step(cfg, tx), method=method)
     args = mod.abstract_args(cfg, spec["batch"], tx)
     t0 = time.perf_counter()
@@ -203,6 +206,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=REPEATS)
     ap.add_argument("--no-warm", action="store_true",
                     help="skip the warm (disk cache) runs: two more plans per case")
+    ap.add_argument("--num-micro-batches", type=int, default=None,
+                    help="--cases: Auto(num_micro_batches=M), the count a user fixed, "
+                         "in place of the search over counts")
     ap.add_argument("--limit", type=float, default=LIMIT_S, help="seconds per plan")
     ap.add_argument("--out", type=Path, default=_common.RESULTS_DIR / "planning_time.json")
     args = ap.parse_args()
@@ -217,6 +223,8 @@ def main() -> None:
         module, size, batch, cluster, target = CASES[name]
         spec = {"module": module, "size": size, "batch": batch, "cluster": cluster,
                 "one_stage": name.endswith("-one-stage")}
+        if args.num_micro_batches is not None:
+            spec["num_micro_batches"] = args.num_micro_batches
         rows.append(measure(name, spec, args.repeats, args.limit, False, not args.no_warm)
                     | {"target_s": target})
     ladders = {}
