@@ -20,8 +20,9 @@ activation transfers between stages, and the optimizer update each stage runs on
 An Auto pipeline is returned only when every stage's whole-stage memory estimate fits: a
 stage that overshoots sends the stage DP back with its budget lowered by the overshoot, and
 so does one the whole-stage re-plan could fit only by making it slower than the DP weighed
-it, the faster pipeline kept (`settle_stages`). Layer solutions are memoised by structure within a plan, shared by the
-candidates of one search (`PlannerPool`) and kept on disk across plans (`planning.cache`).
+it, the faster pipeline kept (`settle_stages`). Layer solutions are memoised by structure
+within a plan, shared by the candidates of one search (`PlannerPool`) and kept on disk
+across plans (`planning.cache`).
 A Manual layout's memory floor (`manual_memory_floor`) lets a search skip layouts that
 cannot fit without solving any ILP; likewise an `Auto` count whose layers, each split
 over all the devices of its stage, fit no pipeline is refused before any ILP
