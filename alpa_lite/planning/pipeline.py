@@ -132,6 +132,11 @@ class StageCost:
         (`planning.gradient_sync` settles it for the chosen stages)."""
         return self.backward_s - self.grad_sync_s + self.reduce_once_s / m
 
+    def search_time_s(self, m: int, remat: bool) -> float:
+        """One micro-batch's forward and backward as the search weighs it (with `remat`,
+        the forward runs again in the backward)."""
+        return self.forward_s * (2 if remat else 1) + self.search_backward_s(m)
+
 
 @dataclasses.dataclass(frozen=True)
 class Solved:
@@ -1115,7 +1120,7 @@ def _auto_stages(planner: PipelinePlanner, method: Auto, cluster: Cluster, bound
 def _dp_latency(chosen, costs: Sequence[StageCost], m: int) -> float:
     """The stage DP's pipeline latency (sum + (m - 1) x the slowest) on the whole stages'
     times."""
-    t = [_stage_time(choice, c, m) for choice, c in zip(chosen, costs)]
+    t = [c.search_time_s(m, remat) for (_, _, remat, _), c in zip(chosen, costs)]
     return sum(t) + (m - 1) * max(t)
 
 
@@ -1126,28 +1131,23 @@ def _polished_overshoot(planner: PipelinePlanner, method: Auto, bounds, dp_chose
     S = len(chosen)
     worst = None
     for s, (dp_choice, choice, fitted) in enumerate(zip(dp_chosen, chosen, costs)):
+        if choice == dp_choice:
+            continue
         (a, b), mesh, remat, lean = dp_choice
         prog = planner.layers_program(bounds, a, b)
         key = planner.job_key(prog, mesh, None, lean)
         # A DP choice `_polish` did not plan lost, by its layer sum, to a plan that fits:
         # polish gave up no time on it.
-        if choice == dp_choice or key not in planner.costs or \
-                isinstance(planner.costs[key], PlanningError):
+        if key not in planner.costs or isinstance(planner.costs[key], PlanningError):
             continue
         cost = planner.cost(prog, mesh, None, lean)
-        if _stage_time(choice, fitted, m) <= _stage_time(dp_choice, cost, m):
+        if fitted.search_time_s(m, choice[2]) <= cost.search_time_s(m, remat):
             continue        # polish found a faster plan, not a slower one that fits
         peak = stage_estimate(planner, prog, cost, mesh,
                               held_micro_batches(method.schedule, S, s, m), remat).total
         if peak > budget and (worst is None or peak > worst):
             worst = peak
     return worst
-
-
-def _stage_time(choice, cost: StageCost, m: int) -> float:
-    """A stage's time per micro-batch as the stage DP weighs it."""
-    remat = choice[2]
-    return cost.forward_s * (2 if remat else 1) + cost.search_backward_s(m)
 
 
 def _fit_stages(planner: PipelinePlanner, method, bounds, chosen, m: int):
@@ -1229,7 +1229,7 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
             for layer in range(a, b + 1):
                 for i, c in enumerate(_layer_options(planner, planner.program(*bounds[layer]),
                                                      at_zero)):
-                    sums[i] += c.forward_s * (2 if remat else 1) + c.search_backward_s(m)
+                    sums[i] += c.search_time_s(m, remat)
             cand = LogicalMesh(shape, ("x", "y"), device_offset=mesh.device_offset)
             found += [(sums[0], cand, False, remat), (sums[1], cand, True, remat)]
         return found
@@ -1258,7 +1258,7 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
                 weighed.append(Alternative("mesh", s, f"{label}: no plan", 0.0, 0.0, False))
                 continue
             memory = stage_estimate(planner, prog, c, cand, in_flight, remat_).total
-            t = c.forward_s * (2 if remat_ else 1) + c.search_backward_s(m)
+            t = c.search_time_s(m, remat_)
             key = (memory > budget, t)
             weighed.append(Alternative("mesh", s, label, t, memory, memory <= budget))
             if best is None or key < best[0]:
