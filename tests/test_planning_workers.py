@@ -10,7 +10,7 @@ import pytest
 from alpa_lite.errors import MemoryBudgetError, PlanningError, detached
 from alpa_lite.planning import workers
 from alpa_lite.planning.collector import PLANNING_YOUNG_THRESHOLD, fewer_collections
-from alpa_lite.planning.workers import map_forked
+from alpa_lite.planning.workers import map_forked, stream_forked
 
 
 def test_answers_come_back_in_task_order_from_other_processes():
@@ -73,6 +73,57 @@ def test_small_tasks_run_here_once_measured_and_grown_ones_are_forked_again():
     # The tasks grew: this call still runs them here (it measures them), the next forks.
     assert processes(0.5) == me
     assert processes(0.5) - me
+
+
+def _chains(monkeypatch, forked: bool):
+    """Three chains of tasks run by `stream_forked`, each asking for its next task only
+    when its last is answered (as the stages of a pipeline walk their candidate meshes):
+    chain c's tasks are 10c, 10c+1, ... and it stops after an answer >= 10c + 30."""
+    if forked:
+        monkeypatch.setattr(workers, "forking_pays", lambda *_: True)
+    else:
+        monkeypatch.setattr(workers, "usable_cores", lambda: 1)
+    tasks = list(range(40))
+    ran, pids = [], set()
+
+    def work(x):
+        time.sleep(0.01 * (x % 3))       # uneven: chains finish out of step
+        return x * 3, os.getpid()
+
+    def answered(i, outcome):
+        value, pid = outcome.get()
+        ran.append(i)
+        pids.add(pid)
+        return [] if value >= 10 * (i // 10) + 30 or i % 10 == 9 else [i + 1]
+
+    stream_forked(work, tasks, [0, 10, 20], answered, expected=3)
+    return ran, pids
+
+
+@pytest.mark.parametrize("forked", [True, False])
+def test_streamed_tasks_run_as_asked_each_once(monkeypatch, forked):
+    ran, pids = _chains(monkeypatch, forked)
+    # Each chain ran its tasks in its own order up to its stop, and nothing twice.
+    for c in range(3):
+        mine = [i for i in ran if i // 10 == c]
+        assert mine == list(range(10 * c, 10 * c + len(mine)))
+        assert 3 * mine[-1] >= 10 * c + 30 or mine[-1] % 10 == 9
+        assert all(3 * i < 10 * c + 30 for i in mine[:-1])
+    assert len(ran) == len(set(ran))
+    if forked and workers.usable_cores() > 1:
+        assert pids - {os.getpid()}, "nothing ran in a worker"
+    if not forked:
+        assert pids == {os.getpid()}
+
+
+def test_a_streamed_task_that_fails_stops_the_stream():
+    def work(x):
+        if x == 2:
+            raise KeyError("a bug")
+        return x
+
+    with pytest.raises(KeyError, match="a bug"):
+        stream_forked(work, [0, 1, 2, 3], [0], lambda i, o: [i + 1] if i < 3 else [], 2)
 
 
 def test_planning_errors_pickle_with_their_fields():

@@ -506,6 +506,7 @@ def structure_hash(forward: TracedStep, start: int, stop: int) -> str:
 
 def _structure_hash(forward: TracedStep, start: int, stop: int) -> str:
     g = forward.graph
+    pieces = _node_pieces(forward)
     h = hashlib.sha256()
     local: dict[int, int] = {}
 
@@ -517,21 +518,48 @@ def _structure_hash(forward: TracedStep, start: int, stop: int) -> str:
         return local[t]
 
     for n in g.nodes[start:stop]:
-        parts = [n.primitive, repr(sorted((k, repr(v)) for k, v in n.params.items()))]
-        for pos, t in enumerate(n.inputs):
-            if t is None:
-                parts.append(f"lit{np.asarray(forward.literals[(n.id, pos)]).tolist()!r}")
-            elif g.tensors[t].role is Role.CONST:
-                parts.append(f"const{hashlib.sha256(np.asarray(forward.consts[t]).tobytes()).hexdigest()[:8]}")
-            else:
-                parts.append(str(ref(t)))
+        head, inputs, outputs = pieces[n.id]
+        parts = [head]
+        for t, fixed in zip(n.inputs, inputs):
+            parts.append(fixed if fixed is not None else str(ref(t)))
         for t in n.outputs:
             local[t] = len(local)
-            parts.append(f"{g.tensors[t].shape}{g.tensors[t].dtype}")
+        parts.extend(outputs)
         h.update("|".join(parts).encode())
     ins, outs = range_io(g, start, stop)
     h.update(f"out{[local.get(t) for t in outs]}".encode())
     return h.hexdigest()[:20]
+
+
+_PIECES: "weakref.WeakKeyDictionary[OpGraph, list]" = weakref.WeakKeyDictionary()
+
+
+def _node_pieces(forward: TracedStep) -> list[tuple[str, list[str | None], list[str]]]:
+    """Per node, what `_structure_hash` writes of it that no range changes: the primitive
+    with its parameters, each input that is a literal or a constant (None for a tensor,
+    which a range numbers locally) and each output's type. Once per forward graph: the
+    layer search hashes thousands of ranges, and writing the parameters out is most of a
+    hash's work."""
+    if forward.graph not in _PIECES:
+        g = forward.graph
+        pieces = []
+        for n in g.nodes:
+            head = "|".join([n.primitive,
+                             repr(sorted((k, repr(v)) for k, v in n.params.items()))])
+            inputs: list[str | None] = []
+            for pos, t in enumerate(n.inputs):
+                if t is None:
+                    inputs.append(
+                        f"lit{np.asarray(forward.literals[(n.id, pos)]).tolist()!r}")
+                elif g.tensors[t].role is Role.CONST:
+                    digest = hashlib.sha256(np.asarray(forward.consts[t]).tobytes())
+                    inputs.append(f"const{digest.hexdigest()[:8]}")
+                else:
+                    inputs.append(None)
+            outputs = [f"{g.tensors[t].shape}{g.tensors[t].dtype}" for t in n.outputs]
+            pieces.append((head, inputs, outputs))
+        _PIECES[forward.graph] = pieces
+    return _PIECES[forward.graph]
 
 
 _PROGRAMS: "weakref.WeakKeyDictionary[OpGraph, dict[str, StageProgram]]" = \

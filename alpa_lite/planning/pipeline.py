@@ -99,7 +99,7 @@ from alpa_lite.planning.spmd import manual_pins, solver_for
 from alpa_lite.planning.strategies import node_compute_time
 from alpa_lite.planning.step_time import pipeline_step_time
 from alpa_lite.planning.update_placement import place_update
-from alpa_lite.planning.workers import map_forked, usable_cores
+from alpa_lite.planning.workers import map_forked, stream_forked, usable_cores
 from alpa_lite.progress import CLUSTER, DP, ILPS, Progress, report
 from alpa_lite.solvers.stage_dp import (
     NoFeasiblePipelineError,
@@ -345,6 +345,54 @@ class PipelinePlanner:
                 self._record(job[0], solved)
 
         map_forked(solve_task, tasks, record)
+
+    def run_walks(self, walks: Sequence, jobs: Sequence[tuple]) -> list:
+        """Each walk (a generator that yields the (program, mesh, manual, lean) job it is
+        about to read with `cost`, and returns its result) run to its end; their results,
+        in order. `jobs`: every job any walk may yield (the workers fork knowing them).
+
+        The jobs are planned on every usable core as the walks ask for them: a walk goes
+        on as soon as its own job is answered, so the cores stay busy while any walk has a
+        job to plan (a walk reads only its own jobs, so this decides what running the
+        walks one after another would). A job two walks ask for is planned once."""
+        keys = [self.job_key(*job) for job in jobs]
+        index = {key: i for i, key in enumerate(keys)}
+        results: list = [None] * len(walks)
+        waiting: dict[int, tuple] = {}        # walk -> the job key it waits on
+        asked: set[tuple] = set()
+
+        def advance(w: int) -> None:
+            while True:
+                try:
+                    job = next(walks[w])
+                except StopIteration as stop:
+                    results[w] = stop.value
+                    waiting.pop(w, None)
+                    return
+                key = self.job_key(*job)
+                if key not in self.costs:
+                    if key not in index:
+                        raise AssertionError(f"a walk asked for a job not given: {key}")
+                    waiting[w] = key
+                    return
+
+        def ask() -> list[int]:
+            new = [index[k] for k in dict.fromkeys(waiting.values()) if k not in asked]
+            asked.update(keys[i] for i in new)
+            self._queue(len(new))
+            return new
+
+        def answered(i: int, outcome) -> list[int]:
+            self._record(keys[i], outcome.get())
+            for w in [w for w, k in waiting.items() if k == keys[i]]:
+                advance(w)
+            return ask()
+
+        for w in range(len(walks)):
+            advance(w)
+        stream_forked(lambda job: self._solve(*job), jobs, ask(), answered,
+                      expected=len(waiting))
+        return results
 
     def prefetch_layers(self, progs, meshes, in_flight: int | None, budget: float) -> None:
         """Every distinct layer of `progs` (all the layers of the step) planned on each of
@@ -1265,27 +1313,13 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
                 best = (key, ((a, b), cand, remat_, lean_), len(weighed) - 1)
         return best, weighed
 
-    # The stages walk in rounds: each round plans the next candidate of every stage still
-    # walking together, on every core (`prefetch`); a stage's walk reads only its own
-    # candidates, so this decides what walking the stages one after another would.
-    walks = [walk(s, planner.layers_program(bounds, a, b), both(a, b, mesh, remat))
-             for s, ((a, b), mesh, remat, _) in enumerate(chosen)]
-    wanted: dict[int, tuple] = {}       # stage -> the job its walk reads next
-    ended: dict[int, tuple] = {}        # stage -> its walk's (best, weighed)
-
-    def advance(s: int) -> None:
-        try:
-            wanted[s] = next(walks[s])
-        except StopIteration as stop:
-            ended[s] = stop.value
-            wanted.pop(s, None)
-
-    for s in range(S):
-        advance(s)
-    while wanted:
-        planner.prefetch(list(wanted.values()))
-        for s in list(wanted):
-            advance(s)
+    # The stages walk together, each on its own candidates, on every core (`run_walks`).
+    progs = [planner.layers_program(bounds, a, b) for (a, b), *_ in chosen]
+    cands = [both(a, b, mesh, remat) for (a, b), mesh, remat, _ in chosen]
+    jobs = list({planner.job_key(prog, cand, None, lean_): (prog, cand, None, lean_)
+                 for prog, cs in zip(progs, cands) for _, cand, lean_, _ in cs}.values())
+    ended = planner.run_walks([walk(s, prog, cs) for s, (prog, cs) in
+                               enumerate(zip(progs, cands))], jobs)
     for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
         best, weighed = ended[s]
         if alternatives is not None:

@@ -44,6 +44,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import queue as queue_module
 import signal
 import sys
 import time
@@ -105,26 +106,48 @@ def map_forked(fn: Callable[[T], R], tasks: Sequence[T],
       One `Outcome` per task, in the order of `tasks`. Exceptions other than PlanningError
       propagate (the first met), after the workers are stopped.
     """
-    global _work, _pool_s
     outcomes: list[Outcome[R] | None] = [None] * len(tasks)
 
-    def done(i: int, outcome: Outcome[R]) -> None:
+    def done(i: int, outcome: Outcome[R]) -> tuple[int, ...]:
         outcomes[i] = outcome
         if on_done is not None:
             on_done(i, outcome)
+        return ()
 
-    workers = min(len(tasks), usable_cores())
+    stream_forked(fn, tasks, range(len(tasks)), done, len(tasks))
+    return outcomes
+
+
+def stream_forked(fn: Callable[[T], R], tasks: Sequence[T], first: Sequence[int],
+                  on_done: Callable[[int, Outcome[R]], Sequence[int]],
+                  expected: int) -> None:
+    """`fn` over the tasks of `tasks` that are asked for, in forked workers where more than
+    one core is usable: `first` (indices) at once, then, as each task finishes (in any
+    order), those that `on_done(i, outcome)` returns. Each is run at most once: the caller
+    asks for a task only once. Ends when none is running.
+
+    For searches whose next problems depend on answers (a walk per pipeline stage): every
+    problem a search may ask for is in `tasks` before the workers fork, and the cores stay
+    busy while any search has a problem to solve, instead of waiting, round by round, for
+    the slowest problem of each round. `expected`: about how many tasks will run, for
+    deciding whether forking pays. `fn`, `tasks` and the exceptions are as in `map_forked`.
+    """
+    global _work, _pool_s
+    workers = min(expected, len(tasks), usable_cores())
     code = getattr(fn, "__code__", None)
     if workers <= 1 or _in_worker or not sys.platform.startswith("linux") or \
-            not forking_pays(code, len(tasks), workers):
+            not forking_pays(code, expected, workers):
         t0 = time.perf_counter()
-        for i, task in enumerate(tasks):
-            done(i, _run(fn, task))
-        if code is not None and tasks:
-            _task_s[code] = (time.perf_counter() - t0) / len(tasks)
-        return outcomes
+        queue, ran = list(first), 0
+        while queue:
+            i = queue.pop(0)
+            ran += 1
+            queue.extend(on_done(i, _run(fn, tasks[i])))
+        if code is not None and ran:
+            _task_s[code] = (time.perf_counter() - t0) / ran
+        return
     _work = (fn, tasks)
-    task_s = 0.0
+    task_s, ran = 0.0, 0
     try:
         t0 = time.perf_counter()
         with warnings.catch_warnings():
@@ -135,13 +158,22 @@ def map_forked(fn: Callable[[T], R], tasks: Sequence[T],
                                     category=DeprecationWarning)
             pool = multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker)
         started_s = time.perf_counter() - t0
+        finished: "queue_module.SimpleQueue" = queue_module.SimpleQueue()
         try:
-            for i, (kind, payload, took_s) in pool.imap_unordered(_run_index,
-                                                                  range(len(tasks))):
+            running = 0
+            for i in first:
+                pool.apply_async(_run_index, (i,), callback=finished.put)
+                running += 1
+            while running:
+                i, (kind, payload, took_s) = finished.get()
+                running -= 1
                 if kind == "raised":
                     raise payload
                 task_s += took_s
-                done(i, payload)
+                ran += 1
+                for j in on_done(i, payload):
+                    pool.apply_async(_run_index, (j,), callback=finished.put)
+                    running += 1
         except BaseException:
             pool.terminate()
             raise
@@ -149,11 +181,10 @@ def map_forked(fn: Callable[[T], R], tasks: Sequence[T],
         pool.close()
         pool.join()
         _pool_s = started_s + time.perf_counter() - t1
-        if code is not None:
-            _task_s[code] = task_s / len(tasks)
+        if code is not None and ran:
+            _task_s[code] = task_s / ran
     finally:
         _work = None
-    return outcomes
 
 
 def forking_pays(code: types.CodeType | None, num_tasks: int, workers: int) -> bool:
