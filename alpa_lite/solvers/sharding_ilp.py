@@ -1027,34 +1027,52 @@ class _Model:
 
 class _ModelBuilder:
     def __init__(self):
-        self.cost: list[float] = []
-        self.upper: list[float] = []
-        self.integral: list[bool] = []
+        self.cost: list[np.ndarray] = []
+        self.upper: list[np.ndarray] = []
+        self.integral: list[np.ndarray] = []
         self.col_names: list[str] = []
-        self.rows: list[tuple[str, float, float, list[int], list[float]]] = []
+        self.num_cols = 0
+        # Rows in blocks (CSR pieces): names, lower and upper bounds, entries per row, and
+        # the entries' columns and coefficients, row after row.
+        self.blocks: list[tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                np.ndarray]] = []
 
     def columns(self, names, costs, upper: float, integral: bool) -> np.ndarray:
-        first = len(self.cost)
+        first = self.num_cols
+        self.num_cols += len(names)
         self.col_names.extend(names)
-        self.cost.extend(costs)
-        self.upper.extend([upper] * len(names))
-        self.integral.extend([integral] * len(names))
-        return np.arange(first, len(self.cost))
+        self.cost.append(np.asarray(costs, dtype=float).reshape(-1))
+        self.upper.append(np.full(len(names), upper, dtype=float))
+        self.integral.append(np.full(len(names), integral, dtype=bool))
+        return np.arange(first, self.num_cols)
 
     def row(self, name: str, lower: float, upper: float, cols, coefs) -> None:
-        self.rows.append((name, lower, upper, list(cols), list(coefs)))
+        cols = np.asarray(cols, dtype=np.int64).reshape(-1)
+        self.rows([name], lower, upper, np.array([len(cols)]), cols, coefs)
+
+    def rows(self, names: list[str], lower: float, upper: float, lengths: np.ndarray,
+             cols: np.ndarray, coefs) -> None:
+        """Rows with the same bounds: row r holds the next lengths[r] entries of cols and
+        coefs."""
+        n = len(names)
+        self.blocks.append((names, np.full(n, lower, dtype=float), np.full(n, upper, dtype=float),
+                            np.asarray(lengths, dtype=np.int64), np.asarray(cols, dtype=np.int64),
+                            np.asarray(coefs, dtype=float).reshape(-1)))
 
     def model(self, x: dict[int, np.ndarray]) -> _Model:
-        lengths = [len(r[3]) for r in self.rows]
+        def joined(parts, dtype):
+            return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+
+        lengths = joined([b[3] for b in self.blocks], np.int64)
         return _Model(
-            cost=np.array(self.cost, dtype=float), upper=np.array(self.upper, dtype=float),
-            integral=np.array(self.integral, dtype=bool), col_names=self.col_names,
-            row_lower=np.array([r[1] for r in self.rows], dtype=float),
-            row_upper=np.array([r[2] for r in self.rows], dtype=float),
-            row_names=[r[0] for r in self.rows],
+            cost=joined(self.cost, float), upper=joined(self.upper, float),
+            integral=joined(self.integral, bool), col_names=self.col_names,
+            row_lower=joined([b[1] for b in self.blocks], float),
+            row_upper=joined([b[2] for b in self.blocks], float),
+            row_names=[name for b in self.blocks for name in b[0]],
             row_starts=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
-            index=np.array([c for r in self.rows for c in r[3]], dtype=np.int32),
-            value=np.array([c for r in self.rows for c in r[4]], dtype=float), x=x)
+            index=joined([b[4] for b in self.blocks], np.int32),
+            value=joined([b[5] for b in self.blocks], float), x=x)
 
 
 def _build_model(work: _Work, formulation: EdgeFormulation) -> _Model:
@@ -1107,14 +1125,13 @@ def _add_edge_terms(b: _ModelBuilder, work: _Work, x: dict, scale: float,
         edge_<u>_<v>_col_<q>:   Σ_p e_pq − Y_q = 0
     """
     for (u, v), matrix in sorted(work.edges.items()):
-        rows, row_class = np.unique(matrix, axis=0, return_inverse=True)
-        row_class = row_class.reshape(-1)
-        classes, col_class = np.unique(rows, axis=1, return_inverse=True)  # (P, Q)
-        col_class = col_class.reshape(-1)
+        rows, row_class = _sorted_classes(matrix)
+        classes, col_class = _sorted_classes(rows.T)
+        classes = classes.T                                                    # (P, Q)
         P, Q = classes.shape
-        X = [x[u][row_class == p] for p in range(P)]
-        Y = [x[v][col_class == q] for q in range(Q)]
         if formulation is EdgeFormulation.PRODUCT_BOUND:
+            X = [x[u][row_class == p] for p in range(P)]
+            Y = [x[v][col_class == q] for q in range(Q)]
             for p, q in zip(*np.nonzero(classes)):
                 (e,) = b.columns([f"e_{u}_{v}_{p}_{q}"], [classes[p, q] / scale], np.inf, False)
                 cols = np.concatenate([[e], X[p], Y[q]])
@@ -1123,12 +1140,43 @@ def _add_edge_terms(b: _ModelBuilder, work: _Work, x: dict, scale: float,
         else:
             e = b.columns([f"e_{u}_{v}_{p}_{q}" for p in range(P) for q in range(Q)],
                           (classes / scale).reshape(-1), np.inf, False).reshape(P, Q)
-            for p in range(P):
-                b.row(f"edge_{u}_{v}_row_{p}", 0.0, 0.0, np.concatenate([e[p], X[p]]),
-                      np.concatenate([np.ones(Q), -np.ones(len(X[p]))]))
-            for q in range(Q):
-                b.row(f"edge_{u}_{v}_col_{q}", 0.0, 0.0, np.concatenate([e[:, q], Y[q]]),
-                      np.concatenate([np.ones(P), -np.ones(len(Y[q]))]))
+            b.rows([f"edge_{u}_{v}_row_{p}" for p in range(P)], 0.0, 0.0,
+                   *_marginal_rows(e, x[u], row_class))
+            b.rows([f"edge_{u}_{v}_col_{q}" for q in range(Q)], 0.0, 0.0,
+                   *_marginal_rows(e.T, x[v], col_class))
+
+
+def _sorted_classes(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of a 2-D ``matrix`` in lexicographic order, and each row's index
+    among them: what ``np.unique(matrix, axis=0, return_inverse=True)`` gives, without
+    its structured-dtype detour (several times slower on the small tables of an edge)."""
+    order = np.lexsort(matrix.T[::-1])
+    ranked = matrix[order]
+    new = np.ones(len(ranked), dtype=bool)
+    new[1:] = np.any(ranked[1:] != ranked[:-1], axis=1)
+    inverse = np.empty(len(matrix), dtype=np.int64)
+    inverse[order] = np.cumsum(new) - 1
+    return ranked[new], inverse
+
+
+def _marginal_rows(e: np.ndarray, xs: np.ndarray, cls: np.ndarray):
+    """MARGINAL's rows for one side of an edge, as (entries per row, columns,
+    coefficients): row p is Σ_q e[p, q] − Σ_(s in class p) x[s] = 0, its e entries first
+    (q in order), then its x (strategy order)."""
+    P, Q = e.shape
+    counts = np.bincount(cls, minlength=P)
+    lengths = Q + counts
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    cols = np.empty(int(lengths.sum()), dtype=np.int64)
+    coefs = np.empty(len(cols))
+    e_at = (starts[:, None] + np.arange(Q)[None, :]).reshape(-1)
+    cols[e_at], coefs[e_at] = e.reshape(-1), 1.0
+    order = np.argsort(cls, kind="stable")
+    group = cls[order]
+    rank = np.arange(len(xs)) - np.concatenate([[0], np.cumsum(counts)[:-1]])[group]
+    x_at = starts[group] + Q + rank
+    cols[x_at], coefs[x_at] = xs[order], -1.0
+    return lengths, cols, coefs
 
 
 def _add_memory_constraint(b: _ModelBuilder, work: _Work, x: dict) -> None:
