@@ -332,9 +332,9 @@ class PipelinePlanner:
             by_mesh.setdefault((job[2].shape, job[2].axis_names), []).append(job)
         tasks = list(by_mesh.values())
         if len(tasks) < usable_cores():
-            # Fewer meshes than cores (the whole-stage walk of `_polish` asks each stage's
-            # next candidate, and its stages' walks go mesh by mesh alike): a task per job,
-            # so that every core plans; the memo a task would share is rebuilt per worker.
+            # Fewer meshes than cores (a pipeline's stages fitted whole, often all on one
+            # mesh shape): a task per job, so that every core plans; the memo a task
+            # would share is rebuilt per worker.
             tasks = [[job] for job in todo.values()]
 
         def solve_task(task):
