@@ -78,7 +78,8 @@ def test_small_tasks_run_here_once_measured_and_grown_ones_are_forked_again():
 def _chains(monkeypatch, forked: bool):
     """Three chains of tasks run by `stream_forked`, each asking for its next task only
     when its last is answered (as the stages of a pipeline walk their candidate meshes):
-    chain c's tasks are 10c, 10c+1, ... and it stops after an answer >= 10c + 30."""
+    chain c's tasks are 10c, 10c+1, ..., and it stops after an answer >= 10c + 30 or
+    after its tenth task."""
     if forked:
         monkeypatch.setattr(workers, "forking_pays", lambda *_: True)
     else:
