@@ -349,13 +349,15 @@ class PipelinePlanner:
     def run_walks(self, walks: Sequence, jobs: Sequence[tuple]) -> list:
         """Each walk (a generator that yields the (program, mesh, manual, lean) job it is
         about to read with `cost`, and returns its result) run to its end; their results,
-        in order. `jobs`: every job any walk may yield (the workers fork knowing them).
+        in order. `jobs`: every job any walk may yield, repeats allowed (the workers fork
+        knowing them).
 
         The jobs are planned on every usable core as the walks ask for them: a walk goes
         on as soon as its own job is answered, so the cores stay busy while any walk has a
         job to plan (a walk reads only its own jobs, so this decides what running the
         walks one after another would). A job two walks ask for is planned once."""
-        keys = [self.job_key(*job) for job in jobs]
+        distinct = {self.job_key(*job): job for job in jobs}
+        keys = list(distinct)
         index = {key: i for i, key in enumerate(keys)}
         results: list = [None] * len(walks)
         waiting: dict[int, tuple] = {}        # walk -> the job key it waits on
@@ -390,8 +392,8 @@ class PipelinePlanner:
 
         for w in range(len(walks)):
             advance(w)
-        stream_forked(lambda job: self._solve(*job), jobs, ask(), answered,
-                      expected=len(waiting))
+        stream_forked(lambda job: self._solve(*job), list(distinct.values()), ask(),
+                      answered, expected=len(waiting))
         return results
 
     def prefetch_layers(self, progs, meshes, in_flight: int | None, budget: float) -> None:
@@ -1316,10 +1318,9 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
     # The stages walk together, each on its own candidates, on every core (`run_walks`).
     progs = [planner.layers_program(bounds, a, b) for (a, b), *_ in chosen]
     cands = [both(a, b, mesh, remat) for (a, b), mesh, remat, _ in chosen]
-    jobs = list({planner.job_key(prog, cand, None, lean_): (prog, cand, None, lean_)
-                 for prog, cs in zip(progs, cands) for _, cand, lean_, _ in cs}.values())
-    ended = planner.run_walks([walk(s, prog, cs) for s, (prog, cs) in
-                               enumerate(zip(progs, cands))], jobs)
+    ended = planner.run_walks(
+        [walk(s, prog, cs) for s, (prog, cs) in enumerate(zip(progs, cands))],
+        [(prog, cand, None, lean_) for prog, cs in zip(progs, cands) for _, cand, lean_, _ in cs])
     for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
         best, weighed = ended[s]
         if alternatives is not None:
