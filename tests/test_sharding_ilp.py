@@ -134,6 +134,35 @@ def test_elimination_equals_brute_force():
     assert solved_by_elimination >= 5     # the rest presolve alone solved
 
 
+def test_reduced_cost_fixing_is_exact(monkeypatch):
+    """P7 against enumeration, with and without a memory budget: where the relaxation is
+    fractional, fixing drops strategies and the MILP (eliminate=False) or elimination
+    solves what is left, to the same optimum."""
+    fixed = []
+    real = ilp._fix_by_reduced_costs
+
+    def spy(work, relaxed):
+        out = real(work, relaxed)
+        fixed.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ilp, "_fix_by_reduced_costs", spy)
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        problem = random_problem(rng, with_budget=trial % 2 == 1)
+        try:
+            want = brute_force(problem)
+        except InfeasibleMemoryError:
+            continue
+        for eliminate in (False, True):
+            got = solve_sharding_ilp(problem, Solver.HIGHS, eliminate=eliminate)
+            assert got.status == "optimal", trial
+            assert_same_objective(got, want)
+            if problem.memory_budget_bytes is not None:
+                assert got.memory_bytes <= problem.memory_budget_bytes
+    assert sum(fixed) >= 10        # fixing ran and dropped strategies that often
+
+
 def test_presolve_is_exact_on_larger_random_graphs():
     """Presolve (dominance, elimination) against the unreduced model, 10-12 nodes."""
     rng = np.random.default_rng(7)
