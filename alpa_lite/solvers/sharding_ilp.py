@@ -50,7 +50,8 @@ optimum is the ILP's where it is integral. Where it is not (HiGHS):
 P7  Reduced-cost fixing: the relaxation's duals bound from below the cost of every solution
     that takes a strategy; a strategy whose bound exceeds the cost of a known solution
     (the relaxation rounded, then improved node by node) is dropped, P3–P6 run again, and
-    elimination or the MILP solves what is left.                    → ``_fix_by_reduced_costs``
+    elimination solves what is left, or else the smaller problem's own relaxation goes
+    through P7 again, until it drops too little; then the MILP.     → ``_fix_by_reduced_costs``
 
 The model handed to CBC or HiGHS  → ``_build_model``
 ----------------------------------------------------
@@ -521,31 +522,27 @@ def solve_sharding_ilp(
                                   "elimination", "optimal", time.perf_counter() - start, 0, 0)
     model = _build_model(work, edge_formulation)
     size = (model.num_variables, model.num_constraints)
-    refixed = False
-    if solver is Solver.HIGHS:
+    # HiGHS: the relaxation; where it is fractional, P7 and elimination on what is left,
+    # and again on that problem's own relaxation while P7 keeps dropping strategies.
+    while solver is Solver.HIGHS:
         relaxed = _run_highs_relaxation(model, time_limit_s)
         if relaxed is not None and relaxed.integral:
             return _make_solution(problem, _recover_choices(problem, work, relaxed.picked(work)),
                                   solver.value, "optimal", time.perf_counter() - start, *size)
         fixed = _fix_by_reduced_costs(work, relaxed) if presolve and relaxed is not None \
             else None
-        if fixed is not None:
-            work, refixed = fixed, True
-            if not work.strategies:
-                return _make_solution(problem, _recover_choices(problem, work, {}),
-                                      solver.value, "optimal", time.perf_counter() - start,
-                                      *size)
-            if eliminate and work.memory_budget is None:
-                picked = _solve_by_elimination(work)
-                if picked is not None:
-                    return _make_solution(problem, _recover_choices(problem, work, picked),
-                                          solver.value, "optimal",
-                                          time.perf_counter() - start, *size)
-            model = _build_model(work, edge_formulation)
-    # HiGHS' relaxation has run (fractional, or past the time limit): the MILP runs as is,
-    # but for a problem P7 shrank, whose own relaxation may be integral.
+        if fixed is None:
+            break
+        work = fixed
+        picked = {} if not work.strategies else \
+            _solve_by_elimination(work) if eliminate and work.memory_budget is None else None
+        if picked is not None:
+            return _make_solution(problem, _recover_choices(problem, work, picked),
+                                  solver.value, "optimal", time.perf_counter() - start, *size)
+        model = _build_model(work, edge_formulation)
+    # HiGHS' relaxation of this model has run (fractional, or past the time limit).
     left = max(float(time_limit_s) - (time.perf_counter() - start), 1e-3)
-    status, values = _run_solver(model, solver, left, relax_first=refixed)
+    status, values = _run_solver(model, solver, left, relax_first=False)
     picked = {v: int(strategies[np.argmax(values[model.x[v]])])
               for v, strategies in work.strategies.items()}
     choices = _recover_choices(problem, work, picked)
