@@ -525,7 +525,8 @@ def solve_sharding_ilp(
     # HiGHS: the relaxation; where it is fractional, P7 and elimination on what is left,
     # and again on that problem's own relaxation while P7 keeps dropping strategies.
     while solver is Solver.HIGHS:
-        relaxed = _run_highs_relaxation(model, time_limit_s)
+        relaxed = _run_highs_relaxation(
+            model, max(float(time_limit_s) - (time.perf_counter() - start), 1e-3))
         if relaxed is not None and relaxed.integral:
             return _make_solution(problem, _recover_choices(problem, work, relaxed.picked(work)),
                                   solver.value, "optimal", time.perf_counter() - start, *size)
@@ -559,7 +560,8 @@ not, reduced-cost fixing (P7) leaves a problem that elimination solves. Measured
 the problems of one micro-batch count (2-core box; GPT-39B on 64 V100s at 512, GPT-175B on
 1024 A100s at 384), those with no memory budget after presolve, the same optimum each
 time: 4.64 -> 1.6-1.8 s and 12.3 -> 7.7 s with a limit of 150 to 250 (with no limit, 2.9
-and 9.6 s). Every problem of those plans, presolve included: from 5.6 to 3.7 s and from 18.6 to 13.9 s."""
+and 9.6 s). Every problem of those counts, presolve included: 5.9 -> 3.4-3.7 s and
+18.6 -> 14.4-14.8 s."""
 
 
 FIXING_MIN_SHARE = 0.1
