@@ -115,8 +115,13 @@ def test_clusters_and_builtin_list(workdir):
     rc, out, err = run("plan", "--list", cwd=workdir, check_rc=0)
     for name in ("gpt-2.6b", "moe-380m", "wide_resnet-250m", "mlp-tiny"):
         assert name in out
-    if shutil.which("alpa-lite"):   # the console script, where the package is installed
-        proc = subprocess.run(["alpa-lite", "clusters", "--json", "8xV100"], cwd=workdir,
+    # The console script installed with this interpreter's package (beside it in a virtual
+    # environment, which `venv/bin/python -m pytest` need not have put on PATH), else the
+    # one on PATH.
+    beside = os.path.join(os.path.dirname(sys.executable), "alpa-lite")
+    script = beside if os.access(beside, os.X_OK) else shutil.which("alpa-lite")
+    if script:
+        proc = subprocess.run([script, "clusters", "--json", "8xV100"], cwd=workdir,
                               capture_output=True, text=True)
         assert proc.returncode == 0
         assert Cluster.from_json(proc.stdout) == Cluster.preset("8xV100")
