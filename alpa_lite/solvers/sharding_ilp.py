@@ -132,7 +132,7 @@ for costs that differ by a few microseconds out of a second)."""
 
 LP_INTEGRALITY_TOLERANCE = 1e-7
 """How far from 0 or 1 a strategy variable of the LP relaxation's optimum may be for that
-optimum to be taken as the ILP's (``_run_highs``); HiGHS' own integrality tolerance is 1e-6,
+optimum to be taken as the ILP's (``_run_highs_relaxation``); HiGHS' own integrality tolerance is 1e-6,
 so an LP answer accepted here is one its MILP would accept at the root."""
 
 _BRUTE_FORCE_CHUNK = 1 << 16  # combinations evaluated per numpy batch in brute_force
@@ -522,31 +522,37 @@ def solve_sharding_ilp(
                                   "elimination", "optimal", time.perf_counter() - start, 0, 0)
     model = _build_model(work, edge_formulation)
     size = (model.num_variables, model.num_constraints)
+
+    def left() -> float:       # what is left of time_limit_s for the next solver call
+        return max(float(time_limit_s) - (time.perf_counter() - start), 1e-3)
+
     # HiGHS: the relaxation; where it is fractional, P7 and elimination on what is left,
     # and again on that problem's own relaxation while P7 keeps dropping strategies.
     while solver is Solver.HIGHS:
-        relaxed = _run_highs_relaxation(
-            model, max(float(time_limit_s) - (time.perf_counter() - start), 1e-3))
+        relaxed = _run_highs_relaxation(model, left())
         if relaxed is not None and relaxed.integral:
-            return _make_solution(problem, _recover_choices(problem, work, relaxed.picked(work)),
+            picked = _picked(work, _largest_x(model, relaxed.values))
+            return _make_solution(problem, _recover_choices(problem, work, picked),
                                   solver.value, "optimal", time.perf_counter() - start, *size)
         fixed = _fix_by_reduced_costs(work, relaxed) if presolve and relaxed is not None \
             else None
         if fixed is None:
             break
         work = fixed
-        picked = {} if not work.strategies else \
-            _solve_by_elimination(work) if eliminate and work.memory_budget is None else None
+        if not work.strategies:
+            picked = {}
+        elif eliminate and work.memory_budget is None:
+            picked = _solve_by_elimination(work)
+        else:
+            picked = None
         if picked is not None:
             return _make_solution(problem, _recover_choices(problem, work, picked),
                                   solver.value, "optimal", time.perf_counter() - start, *size)
         model = _build_model(work, edge_formulation)
-    # HiGHS' relaxation of this model has run (fractional, or past the time limit).
-    left = max(float(time_limit_s) - (time.perf_counter() - start), 1e-3)
-    status, values = _run_solver(model, solver, left, relax_first=False)
-    picked = {v: int(strategies[np.argmax(values[model.x[v]])])
-              for v, strategies in work.strategies.items()}
-    choices = _recover_choices(problem, work, picked)
+    # The MILP: for HiGHS, once its relaxation of this model was fractional (or past the
+    # time limit); for CBC, from the start.
+    status, values = _run_solver(model, solver, left())
+    choices = _recover_choices(problem, work, _picked(work, _largest_x(model, values)))
     return _make_solution(problem, choices, solver.value, status, time.perf_counter() - start,
                           *size)
 
@@ -785,6 +791,15 @@ class _Work:
         self.neighbours[v].add(w)
         self.neighbours[w].add(v)
 
+    def copy(self) -> "_Work":
+        """A copy that the reductions can change without changing this one (they replace
+        arrays, never write into them, so the arrays are shared)."""
+        return dataclasses.replace(
+            self, strategies=dict(self.strategies), costs=dict(self.costs),
+            memory=dict(self.memory), edges=dict(self.edges),
+            neighbours={v: set(n) for v, n in self.neighbours.items()},
+            fixed=dict(self.fixed), eliminated=list(self.eliminated), least=dict(self.least))
+
     def remove_edge(self, v: int, w: int) -> None:
         del self.edges[(min(v, w), max(v, w))]
         self.neighbours[v].discard(w)
@@ -827,11 +842,18 @@ def _presolve(problem: ShardingProblem, reduce: bool = True) -> _Work:
         return work
     for u, v in list(work.edges):
         _move_edge_minima_into_nodes(work, u, v)
+    _reduce_until_settled(work)
+    return work
+
+
+def _reduce_until_settled(work: _Work) -> None:
+    """P3–P5 until stable, and P6 after them: a budget that dominance made unable to bind
+    is dropped, and the reduction runs again without it."""
     while True:
         _reduce_until_stable(work)
         if work.memory_budget is None or _memory_can_bind(work):
-            return work
-        work.memory_budget = None  # P6 after dominance shrank the worst case; run again
+            return
+        work.memory_budget = None
 
 
 def _check_memory_budget(problem: ShardingProblem) -> float | None:
@@ -1067,13 +1089,13 @@ def _fix_by_reduced_costs(work: _Work, relaxed: "_Relaxation") -> _Work | None:
     d = model.cost - np.bincount(model.index, weights=model.value * np.repeat(y, lengths),
                                  minlength=model.num_variables)
     bound = float(y @ rhs) + float(np.minimum(d, 0.0).sum())
-    pos = {v: int(np.argmax(relaxed.values[cols])) for v, cols in model.x.items()}
+    pos = _largest_x(model, relaxed.values)
     if work.memory_budget is None:
         _improve_node_by_node(work, pos)
     elif work.removed_memory + sum(float(work.memory[v][i]) for v, i in pos.items()) > \
             work.memory_budget:
         return None
-    known = _reduced_cost(work, pos) / _objective_scale(work)
+    known = _objective_at(work, pos) / _objective_scale(work)
     slack = 1e-9 * (1.0 + abs(known) + abs(bound))     # floating-point rounding only
     keep = {}
     for v, cols in model.x.items():
@@ -1084,26 +1106,28 @@ def _fix_by_reduced_costs(work: _Work, relaxed: "_Relaxation") -> _Work | None:
     dropped = sum(len(k) - int(k.sum()) for k in keep.values())
     if dropped < FIXING_MIN_SHARE * model.integral.sum():
         return None
-    fixed = _Work(
-        strategies=dict(work.strategies), costs=dict(work.costs), memory=dict(work.memory),
-        edges=dict(work.edges), neighbours={v: set(n) for v, n in work.neighbours.items()},
-        memory_budget=work.memory_budget, node_names=work.node_names,
-        fixed=dict(work.fixed), eliminated=list(work.eliminated),
-        removed_memory=work.removed_memory, least=dict(work.least))
+    fixed = work.copy()
     for v, k in keep.items():
         _restrict_strategies(fixed, v, k)
-    while True:
-        _reduce_until_stable(fixed)
-        if fixed.memory_budget is None or _memory_can_bind(fixed):
-            return fixed
-        fixed.memory_budget = None
+    _reduce_until_settled(fixed)
+    return fixed
 
 
-def _reduced_cost(work: _Work, pos: dict[int, int]) -> float:
-    """The cost of the strategy at position pos[v] of every node, less each node's cheapest
-    (the model's objective, unscaled)."""
+def _objective_at(work: _Work, pos: dict[int, int]) -> float:
+    """The model's objective, unscaled, where each node takes the strategy at position
+    pos[v]: its cost less the node's cheapest, and the edges' costs between them."""
     return sum(float(work.costs[v][i] - work.costs[v].min()) for v, i in pos.items()) + \
         sum(float(m[pos[u], pos[v]]) for (u, v), m in work.edges.items())
+
+
+def _largest_x(model: "_Model", values: np.ndarray) -> dict[int, int]:
+    """Per surviving node, the position of its largest x in a solver's column values."""
+    return {v: int(np.argmax(values[cols])) for v, cols in model.x.items()}
+
+
+def _picked(work: _Work, pos: dict[int, int]) -> dict[int, int]:
+    """The strategy ids at those positions."""
+    return {v: int(work.strategies[v][i]) for v, i in pos.items()}
 
 
 def _improve_node_by_node(work: _Work, pos: dict[int, int], sweeps: int = 20) -> None:
@@ -1362,13 +1386,11 @@ def _cbc_backend(time_limit_s: float):
                                  gapRel=MIP_RELATIVE_GAP)
 
 
-def _run_solver(model: _Model, solver: Solver, time_limit_s: float,
-                relax_first: bool = True) -> tuple[str, np.ndarray]:
-    """Solve; return "optimal" or "time-limit (feasible)" and the column values, raise if
-    there is no solution. `relax_first` False: HiGHS runs the MILP without trying its LP
-    relaxation first (the caller has)."""
+def _run_solver(model: _Model, solver: Solver, time_limit_s: float) -> tuple[str, np.ndarray]:
+    """Solve the MILP (for HiGHS, the caller has tried its relaxation); return "optimal" or
+    "time-limit (feasible)" and the column values, raise if there is no solution."""
     if solver is Solver.HIGHS:
-        status, values = _run_highs(model, time_limit_s, relax_first)
+        status, values = _run_highs(model, time_limit_s)
     else:
         status, values = _run_cbc(model, time_limit_s)
     if status is None:
@@ -1415,10 +1437,6 @@ class _Relaxation:
     integral: bool          # every strategy variable 0 or 1 (LP_INTEGRALITY_TOLERANCE)
     model: _Model
 
-    def picked(self, work: _Work) -> dict[int, int]:
-        """The strategy each surviving node takes (its largest x)."""
-        return {v: int(strategies[np.argmax(self.values[self.model.x[v]])])
-                for v, strategies in work.strategies.items()}
 
 
 def _highs_lp(model: _Model, integer: bool):
@@ -1477,25 +1495,19 @@ def _run_highs_relaxation(model: _Model, time_limit_s: float) -> _Relaxation | N
                        bool(np.all(np.abs(x - np.round(x)) <= LP_INTEGRALITY_TOLERANCE)), model)
 
 
-def _run_highs(model: _Model, time_limit_s: float, relax_first: bool = True):
-    """HiGHS through highspy, the matrix passed whole (PuLP's HiGHS interface adds one
-    column and one row at a time from Python, which costs as much as the solve here).
-    The LP relaxation first (`_run_highs_relaxation`, unless not `relax_first`), the MILP
-    only where the relaxation is not integral."""
+def _run_highs(model: _Model, time_limit_s: float):
+    """HiGHS' MILP through highspy, the matrix passed whole (PuLP's HiGHS interface adds
+    one column and one row at a time from Python, which costs as much as the solve here).
+    `solve_sharding_ilp` runs it only where the relaxation (`_run_highs_relaxation`) is
+    not integral."""
     import highspy
 
-    start = time.perf_counter()
-    if relax_first:
-        relaxed = _run_highs_relaxation(model, time_limit_s)
-        if relaxed is not None and relaxed.integral:
-            return "optimal", relaxed.values
     h = _new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", MIP_RELATIVE_GAP)
     h.setOptionValue("mip_abs_gap", 0.0)
     h.setOptionValue("presolve", "off")
-    h.setOptionValue("time_limit", max(float(time_limit_s) - (time.perf_counter() - start),
-                                       1e-3))
+    h.setOptionValue("time_limit", float(time_limit_s))
     # HiGHS' sub-MIP heuristics (RINS, RENS, root reduced cost) spent most of the 8 s that
     # GPT-39B's layer on a (16, 2) mesh took (solved at the root either way; 3 s without
     # them), and made no other layer faster. The answer is the same: the gap is unchanged.
