@@ -565,7 +565,6 @@ class _StageTable:
     sizes: np.ndarray  # (num_shapes,) devices per shape
     options: _Options  # every option returned, flat, in query order
     query_offsets: np.ndarray  # options of query q are options[offsets[q]:offsets[q + 1]]
-    option_key: np.ndarray  # (num_options, 3) start, end, shape index
     move_k: np.ndarray
     move_j: np.ndarray
     move_m: np.ndarray
@@ -655,33 +654,17 @@ def _build_stage_table(num_layers, num_nodes, devices_per_node, stage_options, m
     sizes = np.array([s.num_devices for s in shapes], dtype=np.int64)
     counts, options = _queried_options(num_layers, shapes, stage_options)
     queries = len(counts)
-    owner = np.repeat(np.arange(queries, dtype=np.int64), counts)
-    pair_k, pair_i = range_pairs(num_layers)
-    pair, query_m = np.divmod(owner, len(shapes))
-    option_key = np.stack([pair_k[pair], pair_i[pair], query_m], axis=1)
-
-    n = len(options)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     lat, param, act = options.latency_s, options.param_bytes, options.act_bytes
     smax = _max_in_flight(param, act, memory, cap)
-
-    # Front per query: by latency (then more in flight, then option order); keep an option
-    # only if it fits more micro-batches in flight than every faster one.
-    rank = np.unique(lat, return_inverse=True)[1].reshape(-1).astype(np.int64)
-    if queries * (int(rank.max(initial=0)) + 1) * (cap + 2) < 2**62:  # one int64 sort key
-        key = (owner * (int(rank.max(initial=0)) + 1) + rank) * (cap + 2) + (cap + 1 - smax)
-        order = np.argsort(key, kind="stable")
-    else:
-        order = np.lexsort((np.arange(n), -smax, lat, owner))
-    o_owner, o_smax = owner[order], smax[order]
-    shifted = o_smax + o_owner * (cap + 2)  # groups strictly increasing: segmented cummax
-    prev = np.concatenate([[-1], np.maximum.accumulate(shifted)[:-1]]) if n else shifted
-    prev_in_group = np.maximum(prev - o_owner * (cap + 2), 0)
-    keep = (o_smax >= 1) & (shifted > prev)
-    kept = order[keep]
-    move_k = option_key[kept, 0]
-    move_j = option_key[kept, 1] + 1
-    move_m = option_key[kept, 2]
-    sort = np.argsort(move_j, kind="stable")  # kept is in (k, i, m, latency) order already
+    kept, query, pos, slo = _fronts(lat, smax, np.asarray(counts, dtype=np.int64), offsets)
+    pair_k, pair_i = range_pairs(num_layers)
+    pair, move_m = np.divmod(query, len(shapes))
+    move_k, move_j = pair_k[pair], pair_i[pair] + 1
+    # Moves by (j, k, m, latency): the order the DP takes them in, and its tie-break.
+    width = int(pos.max(initial=0)) + 1
+    sort = np.argsort(((move_j * num_layers + move_k) * len(shapes) + move_m) * width + pos,
+                      kind="stable")
     return _StageTable(
         num_layers=num_layers,
         num_devices=num_nodes * devices_per_node,
@@ -689,19 +672,62 @@ def _build_stage_table(num_layers, num_nodes, devices_per_node, stage_options, m
         shapes=shapes,
         sizes=sizes,
         options=options,
-        query_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-        option_key=option_key,
+        query_offsets=offsets,
         move_k=move_k[sort],
         move_j=move_j[sort],
         move_m=move_m[sort],
         move_opt=kept[sort],
         move_lat=lat[kept][sort],
-        move_slo=(prev_in_group[keep] + 1)[sort],
-        move_shi=o_smax[keep][sort],
+        move_slo=slo[sort],
+        move_shi=smax[kept][sort],
         taus=np.unique(lat[kept]),
         cost_queries=queries,
         memory_bytes=float(memory),
     )
+
+
+def _fronts(lat, smax, counts, offsets):
+    """Each query's front: its options by latency (then more micro-batches in flight, then
+    option order), keeping an option only if it fits more micro-batches in flight than
+    every faster one (and at least one). Returns, per option kept, its index, its query,
+    its place in its query's order and the least micro-batches in flight it is the
+    fastest for (one more than the most any faster option fits).
+
+    The queries are sorted a row at a time, all queries with the same number of options
+    as one 2-D block: a query has a few dozen options and the table millions (GPT-175B on
+    1024 A100s: 2.5M options in 160k queries), where one sort of them all was most of the
+    table's time."""
+    kept, query, pos, slo = [], [], [], []
+    for c in np.unique(counts):
+        if c == 0:
+            continue
+        qs = np.flatnonzero(counts == c)
+        idx = offsets[qs][:, None] + np.arange(c)
+        # Two stable sorts: by most in flight, then by latency (ties keep that order).
+        idx = np.take_along_axis(idx, np.argsort(-smax[idx], axis=1, kind="stable"), 1)
+        idx = np.take_along_axis(idx, np.argsort(lat[idx], axis=1, kind="stable"), 1)
+        s = smax[idx]
+        before = np.maximum.accumulate(np.concatenate(
+            [np.zeros((len(qs), 1), dtype=s.dtype), s[:, :-1]], axis=1), axis=1)
+        keep = (s >= 1) & (s > before)
+        rows, cols = np.nonzero(keep)
+        kept.append(idx[rows, cols])
+        query.append(qs[rows])
+        pos.append(cols)
+        slo.append(before[rows, cols] + 1)
+    if not kept:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    return tuple(np.concatenate(a).astype(np.int64) for a in (kept, query, pos, slo))
+
+
+def _option_keys(table: "_StageTable") -> np.ndarray:
+    """(num_options, 3): each option's layer range start, end and submesh index."""
+    counts = np.diff(table.query_offsets)
+    owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    pair_k, pair_i = range_pairs(table.num_layers)
+    pair, shape = np.divmod(owner, len(table.shapes))
+    return np.stack([pair_k[pair], pair_i[pair], shape], axis=1)
 
 
 class _RangeMinima:
@@ -786,11 +812,15 @@ def _max_in_flight(param, act, memory, cap):
         room = (memory - param) / act
     s = np.where(act > 0, np.floor(np.clip(room, -1, cap)), cap)
     s = np.where(param > memory, 0, s).astype(np.int64)
-    for _ in range(3):  # repair floating-point rounding of the division
-        too_many = (s >= 1) & (param + act * s > memory)
-        s = np.where(too_many, s - 1, s)
-        one_more = (s < cap) & (param <= memory) & (param + act * (s + 1) <= memory)
-        s = np.where(one_more, s + 1, s)
+    # Repair the floating-point rounding of the division, on the few entries it is off.
+    off = np.flatnonzero(((s >= 1) & (param + act * s > memory)) |
+                         ((s < cap) & (param <= memory) & (param + act * (s + 1) <= memory)))
+    if off.size:
+        p, a, t = param[off], act[off], s[off]
+        for _ in range(3):
+            t = np.where((t >= 1) & (p + a * t > memory), t - 1, t)
+            t = np.where((t < cap) & (p <= memory) & (p + a * (t + 1) <= memory), t + 1, t)
+        s[off] = t
     return s
 
 
@@ -1177,7 +1207,7 @@ def _infeasible(table: _StageTable) -> NoFeasiblePipelineError:
             f"{D} devices ({table.cost_queries} queries): it must return at least one "
             "StageOption for the ranges and submeshes that can run"
         )
-    keys = table.option_key
+    keys = _option_keys(table)
     covering = _covered_layers(L, keys[:, 0], keys[:, 1] + 1)
     if not covering.all():
         missing = np.flatnonzero(~covering)
