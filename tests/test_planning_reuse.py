@@ -463,6 +463,31 @@ def test_the_count_walk_goes_past_a_local_optimum_that_recomputes():
     assert planned == [32, 256, 512, 1024]
 
 
+def test_the_count_walk_tries_the_likelier_side_first():
+    """From a pipeline of several stages the walk plans the larger neighbour first (the
+    bubble falls as m grows), from one stage the smaller (larger micro-batches run more
+    efficiently): MoE-690M on 2 V100s, its middle count over budget, plans 256, 128 and
+    64 (over budget), not 512 as well."""
+    real = _step(al.Manual(dp=2, tp=1, pp=2, num_micro_batches=2)).plan(
+        *_args(), cluster=FOUR_H100)
+    table = {128: 13.06, 256: 13.856, 512: 15.315, 1024: 16.0}
+    stages = real.stages[:1]
+
+    def outcome(m):
+        if m not in table:
+            return al.MemoryBudgetError(f"{m} micro-batches do not fit", 2.0)
+        return table[m], stages
+
+    space, planned = _fake_count_search(real, outcome, num_devices=4)
+    assert search_auto(al.Auto(), 1024, space).pipeline.num_micro_batches == 128
+    assert planned == [32, 256, 128, 64]
+    # The same times from two stages: the larger side first.
+    stages = real.stages
+    planned.clear()
+    assert search_auto(al.Auto(), 1024, space).pipeline.num_micro_batches == 128
+    assert planned == [32, 256, 512, 128, 64]
+
+
 def test_after_a_search_the_step_holds_the_split_of_its_best_count_only(monkeypatch):
     """Memory holds two counts' planning work during a search, not every count's
     (`SearchSpace.forget`): after Auto() plans, the step keeps the split of its fastest

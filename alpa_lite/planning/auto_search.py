@@ -14,10 +14,13 @@ size and a stage search, so the counts are not all planned. Memory only falls as
 bubble) then rises (smaller, less efficient kernels, more per-micro-batch overheads). The
 search therefore starts at the middle divisor (for a power of two, the middle on a log
 scale), bisects the larger counts for one that fits if it does not, and then walks to a
-neighbour that is faster while one is, the larger neighbour tried first: where it is
-faster the walk moves on without planning the smaller one, and a count is certified a
-local optimum by its two neighbours only where the walk stops (GPT-39B on 64 V100s: 256,
-512 and 1024 planned, not 128 as well). The step is not unimodal in m where memory forces
+neighbour that is faster while one is. The likelier side is tried first, and where it is
+faster the walk moves on without planning the other: a count is certified a local optimum
+by its two neighbours only where the walk stops. From a pipeline of several stages that
+is the larger count (the bubble falls as m grows; GPT-39B on 64 V100s: 256, 512 and 1024
+planned, not 128 as well); from one stage the smaller (no bubble, and larger
+micro-batches run more efficiently; the counts below a one-stage optimum are all planned
+anyway, see below). The step is not unimodal in m where memory forces
 recomputation: a count that fits only with remat can lose to a larger one whose smaller
 micro-batches fit without it (GPT-6.7B on 16 V100s: 57.08 s at m=128 with remat, 56.23 s
 at m=512 without, 256 between them slower than both). So while the fastest plan found
@@ -272,9 +275,10 @@ def _walk(counts: tuple[int, ...], pipeline: Callable[[int], float],
     while True:
         while True:            # to a faster neighbour, while there is one
             here = pipeline(counts[i])
-            # More micro-batches first (memory and the bubble fall as m grows): where they
-            # are faster, the walk moves on without planning the other side.
-            for step in (1, -1):
+            # The likelier side first; where it is faster, the walk moves on without
+            # planning the other (module docstring).
+            one_stage = len(pipelined[counts[i]].plan.stages) == 1
+            for step in ((-1, 1) if one_stage else (1, -1)):
                 j = neighbour(i, step)
                 if j is not None and pipeline(counts[j]) < here:
                     i = j
