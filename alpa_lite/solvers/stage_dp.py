@@ -594,7 +594,7 @@ class _Options(Sequence):
         return self._record(int(j))
 
 
-def _queried_options(num_layers, shapes, stage_options) -> tuple[list[int], _Options]:
+def _queried_options(num_layers, shapes, stage_options) -> tuple[Sequence[int], _Options]:
     """Every (start, end, submesh) query's options (queries in (k, i, m) order): the
     number per query and the options, flat."""
     if isinstance(stage_options, StageOptionGrid):
@@ -620,26 +620,30 @@ def _queried_options(num_layers, shapes, stage_options) -> tuple[list[int], _Opt
                             options.__getitem__)
 
 
-def _grid_options(num_layers, shapes, grid: StageOptionGrid) -> tuple[list[int], _Options]:
-    """`_queried_options` from a grid's arrays: the (range, submesh, column) cube, its
-    present entries flattened in query order, then column order."""
+def _grid_options(num_layers, shapes, grid: StageOptionGrid) -> tuple[np.ndarray, _Options]:
+    """`_queried_options` from a grid's arrays: each submesh's present entries (a number
+    latency) placed in query order ((range, submesh), then column order), straight into
+    the flat arrays. (A padded (range, submesh, column) cube was GPT-1T's largest array:
+    2,080 ranges x 387 submeshes x the widest submesh's columns, three times.)"""
     if grid.num_layers != num_layers:
         raise ValueError(f"the StageOptionGrid is for {grid.num_layers} layers, the DP for "
                          f"{num_layers}")
     cols = [grid.columns_of(shape) for shape in shapes]
-    width = max((len(c.labels) for c in cols), default=0)
     ranges = num_layers * (num_layers + 1) // 2
-    cube = np.full((3, ranges, len(shapes), width), np.nan)
-    for m, c in enumerate(cols):
-        n = len(c.labels)
-        cube[0, :, m, :n] = c.latency_s
-        cube[1, :, m, :n] = c.param_bytes
-        cube[2, :, m, :n] = c.act_bytes
-    present = ~np.isnan(cube[0])
-    counts = present.sum(axis=2).reshape(-1).tolist()
-    flat = np.flatnonzero(present.reshape(-1))
-    lat, param, act = (cube[a].reshape(-1)[flat] for a in range(3))
-    shape_of, column = np.divmod(flat % (len(shapes) * width), width) if width else (flat, flat)
+    present = [~np.isnan(c.latency_s) for c in cols]
+    per_query = np.stack([p.sum(axis=1) for p in present], axis=1) if cols else \
+        np.zeros((ranges, 0), dtype=np.int64)                        # (ranges, submeshes)
+    counts = per_query.reshape(-1).astype(np.int64)
+    first = (np.cumsum(counts) - counts).reshape(per_query.shape)    # each query's start
+    n = int(counts.sum())
+    lat, param, act = np.empty(n), np.empty(n), np.empty(n)
+    shape_of, column = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    for m, (c, p) in enumerate(zip(cols, present)):
+        rows, cs = np.nonzero(p)                 # by range, then column
+        at = first[rows, m] + (np.cumsum(p, axis=1) - 1)[rows, cs]
+        lat[at], param[at], act[at] = c.latency_s[rows, cs], c.param_bytes[rows, cs], \
+            c.act_bytes[rows, cs]
+        shape_of[at], column[at] = m, cs
     labels = [c.labels for c in cols]
 
     def record(j: int) -> StageOption:
