@@ -426,8 +426,8 @@ def test_the_count_walk_goes_past_a_local_optimum_that_recomputes():
     """Step time over micro-batch counts is not unimodal where memory forces remat (GPT-6.7B
     on 16 V100s: m=128 with remat, then 256 slower, then 512 without remat the fastest):
     the walk goes on to larger counts while its best plan recomputes, and stops at the
-    first plan that recomputes nowhere. The walk tries the larger neighbour first and
-    plans the smaller one only where the larger is not faster."""
+    first plan that recomputes nowhere. From a pipeline the walk tries the larger
+    neighbour first and plans the smaller one only where the larger is not faster."""
     real = _step(al.Manual(dp=2, tp=1, pp=2, num_micro_batches=2)).plan(
         *_args(), cluster=FOUR_H100)
     # m -> (step time, remat); missing: the memory budget refuses the count. The middle
