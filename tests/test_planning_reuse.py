@@ -270,6 +270,42 @@ def test_the_stage_dp_counts_what_a_recomputing_stage_rebuilds_and_stays_a_relax
         dp_plan(0.3 * peak)
 
 
+def test_lean_plans_pruned_at_one_budget_are_planned_at_a_lower_one():
+    """A mesh whose memory-lean layer plans cannot help at one budget (every layer's
+    fastest plan fits, all in one stage) is pruned at that budget only: a stage search
+    again at a lowered budget (`settle_stages`) gets the mesh's lean plans, and its layer
+    options say lean where the fastest plan no longer fits."""
+    parts = _step(al.Auto(num_micro_batches=2)).parts(*_args())
+    planner = PlannerPool().planner(parts, FOUR_H100, Solver.HIGHS, 60.0, {}, None,
+                                    False, False)
+    fwd = parts.forward
+    bounds = layer_node_ranges(forward_layers(fwd), len(fwd.graph.nodes))
+    progs = [planner.program(a, b) for a, b in bounds]
+    meshes = [LogicalMesh(shape, ("x", "y")) for shape in [(1, 1), (2, 2), (1, 4)]]
+
+    def lean_known(mesh):
+        return {k for k in planner.costs if k[1] == mesh.shape and k[-1] is True}
+
+    planner.prefetch_layers(progs, meshes, 2, 1e15)
+    assert {m.shape for m in meshes} == {k[0] for k in planner.lean_pruned}
+    assert all(not lean_known(m) for m in meshes)
+    # Below every mesh's need, no mesh is pruned: the lean plans are planned now.
+    low = min(planner.lean_pruned.values()) * 0.5
+    assert not any(planner.lean_pruned_at(m, low) for m in meshes)
+    planner.prefetch_layers(progs, meshes, 2, low)
+    assert all(lean_known(m) for m in meshes)
+    # The stage search's options at each budget: fastest twice where pruned, lean apart.
+    mesh = LogicalMesh((1, 4), ("x", "y"))
+    differs = 0
+    for prog in progs:
+        fast, lean = pipeline._layer_options(planner, prog, mesh, 1e15)
+        assert lean is fast
+        fast_low, lean_low = pipeline._layer_options(planner, prog, mesh, low)
+        assert (fast_low.forward_s, fast_low.param_bytes) == (fast.forward_s, fast.param_bytes)
+        differs += lean_low.param_bytes < fast.param_bytes
+    assert differs
+
+
 def test_the_memory_lean_problem_is_the_fastest_one_restricted():
     """A layer's memory-lean problem (every parameter split finest) is derived from its
     fastest one with no second build; it solves to what building it with the pin gives."""

@@ -201,8 +201,10 @@ class PipelinePlanner:
         self.solve_s = 0.0
         self.memos: dict[tuple, MeshMemo] = {}
         self.options: dict[tuple, tuple[StageCost, StageCost]] = {}   # `_layer_options`
-        # Logical meshes (shape, axis names) whose memory-lean layer plans cannot help.
-        self.lean_pruned: set[tuple] = set()
+        # Logical meshes (shape, axis names) whose memory-lean layer plans cannot help at
+        # a budget of at least the bytes held here (`lean_pruned_at`): a stage search
+        # again at a lowered budget (`settle_stages`) plans them where they now can.
+        self.lean_pruned: dict[tuple, float] = {}
         self.asked: set[tuple] = set()     # (range, mesh, pins) plans asked for
         self.dims: dict = {}               # reuse key -> every dimension size of its tensors
         self.cache_hits = 0                # of them, read from the disk cache
@@ -396,6 +398,12 @@ class PipelinePlanner:
                       answered, expected=len(waiting))
         return results
 
+    def lean_pruned_at(self, mesh: LogicalMesh, budget: float) -> bool:
+        """Whether `mesh`'s memory-lean layer plans cannot help a stage search at
+        `budget` (`prefetch_layers` found every layer's fastest plan fits it)."""
+        need = self.lean_pruned.get((mesh.shape, mesh.axis_names))
+        return need is not None and need <= budget
+
     def prefetch_layers(self, progs, meshes, in_flight: int | None, budget: float) -> None:
         """Every distinct layer of `progs` (all the layers of the step) planned on each of
         `meshes`, fastest and memory-lean, as `_layer_options` asks for them, on every
@@ -404,7 +412,8 @@ class PipelinePlanner:
         stage holding `in_flight` micro-batches, fits `budget`: a lean plan is never faster,
         it only saves memory; `in_flight` None: they always may), and derives each lean
         problem it needs from the fastest one it built (`BuiltStage.restricted`). The
-        meshes whose lean plans cannot help go to `lean_pruned`."""
+        meshes whose lean plans cannot help go to `lean_pruned`, with the memory that
+        decided it."""
         count = collections.Counter(self.reuse_key(prog) for prog in progs)
         first = {self.reuse_key(prog): prog for prog in reversed(progs)}
         distinct = [(key, first[key], n) for key, n in count.items()]
@@ -417,7 +426,7 @@ class PipelinePlanner:
             at = homes[mesh][i]
             return (distinct[i][0], at.shape, at.axis_names, None, lean)
 
-        tasks = [mesh for mesh in meshes if (mesh.shape, mesh.axis_names) not in self.lean_pruned
+        tasks = [mesh for mesh in meshes if not self.lean_pruned_at(mesh, budget)
                  and any(job_key(i, mesh, lean) not in self.costs
                          for i in range(len(distinct)) for lean in (False, True))]
         if not tasks:
@@ -438,10 +447,11 @@ class PipelinePlanner:
             fast = [known(job_key(i, mesh, False)) or solve(i, False)
                     for i in range(len(distinct))]
             answers = [f.answer for f in fast]
-            pruned = in_flight is not None and \
-                all(isinstance(a, StageCost) for a in answers) and \
-                sum(n * (a.param_bytes + in_flight * a.act_bytes)
-                    for (_, _, n), a in zip(distinct, answers)) <= budget
+            need = sum(n * (a.param_bytes + in_flight * a.act_bytes)
+                       for (_, _, n), a in zip(distinct, answers)) \
+                if in_flight is not None and all(isinstance(a, StageCost) for a in answers) \
+                else None
+            pruned = need is not None and need <= budget
             # The fastest plan stands for the lean one where it already splits every
             # parameter finest (or where there is no plan), as `_layer_options` takes it.
             lean = [None if pruned else
@@ -450,12 +460,12 @@ class PipelinePlanner:
                      or _params_finest(prog, f.answer, homes[mesh][i])
                      else solve(i, True))
                     for i, ((_, prog, _), f) in enumerate(zip(distinct, fast))]
-            return fast, lean, pruned
+            return fast, lean, need if pruned else None
 
         def record(mesh, outcome):
-            fast, lean, pruned = outcome.get()
-            if pruned:
-                self.lean_pruned.add((mesh.shape, mesh.axis_names))
+            fast, lean, need = outcome.get()
+            if need is not None:
+                self.lean_pruned[(mesh.shape, mesh.axis_names)] = need
             for i, (f, l) in enumerate(zip(fast, lean)):
                 for kind, solved in ((False, f), (True, l)):
                     k = job_key(i, mesh, kind)
@@ -1155,7 +1165,7 @@ def _auto_stages(planner: PipelinePlanner, method: Auto, cluster: Cluster, bound
                                           dp_budget)
         except PlanningError as e:
             raise NoPipelineError(str(e)) from None
-        chosen = _polish(planner, method, cluster, bounds, dp_chosen, m, weighed)
+        chosen = _polish(planner, method, cluster, bounds, dp_chosen, m, dp_budget, weighed)
         fitted = _fit_stages(planner, method, bounds, chosen, m)
         return StageSearch(chosen, dp_stats, fitted, weighed,
                            _dp_latency(chosen, fitted[1], m),
@@ -1255,7 +1265,7 @@ def _even_split(L: int, pp: int) -> tuple[tuple[int, int], ...]:
 
 
 def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, chosen, m: int,
-            alternatives: list[Alternative] | None = None):
+            dp_budget: float, alternatives: list[Alternative] | None = None):
     """The DP costs a stage as the sum of its layers; each chosen stage is now planned whole
     on the logical meshes of its submesh (fastest and memory-lean, with its remat choice)
     and keeps the fastest that fits, so the final mesh choice is made on whole stages.
@@ -1264,7 +1274,8 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
 
     Meshes are tried in the order of their layer sums. A whole stage costs at least the sum
     of its layers planned alone (it adds the resharding between layers), so once a whole
-    plan that fits is in hand, a mesh whose layer sum is no faster is not planned."""
+    plan that fits is in hand, a mesh whose layer sum is no faster is not planned. The sums
+    are the stage search's, at its budget `dp_budget`."""
     budget = method.memory_budget_bytes or cluster.device.memory_bytes
     S = len(chosen)
     out = []
@@ -1278,7 +1289,7 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
             sums = np.zeros(2)
             for layer in range(a, b + 1):
                 for i, c in enumerate(_layer_options(planner, planner.program(*bounds[layer]),
-                                                     at_zero)):
+                                                     at_zero, dp_budget)):
                     sums[i] += c.search_time_s(m, remat)
             cand = LogicalMesh(shape, ("x", "y"), device_offset=mesh.device_offset)
             found += [(sums[0], cand, False, remat), (sums[1], cand, True, remat)]
@@ -1331,20 +1342,22 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
     return out
 
 
-def _layer_options(planner: PipelinePlanner, prog: StageProgram, mesh: LogicalMesh):
-    """A layer's fastest and memory-lean plans on `mesh` (the same plan where the fastest
-    already splits every parameter as finely as the mesh allows). For their costs only:
-    memoised per layer structure, so the sharding tables name the first such layer's
-    tensors."""
-    key = (planner.reuse_key(prog), mesh.shape, mesh.axis_names)
+def _layer_options(planner: PipelinePlanner, prog: StageProgram, mesh: LogicalMesh,
+                   budget: float):
+    """A layer's fastest and memory-lean plans on `mesh` for a stage search at `budget`
+    (the same plan where the fastest already splits every parameter as finely as the mesh
+    allows, or where lean plans cannot help at that budget: `lean_pruned_at`). For their
+    costs only: memoised per layer structure, so the sharding tables name the first such
+    layer's tensors."""
+    pruned = planner.lean_pruned_at(mesh, budget)
+    key = (planner.reuse_key(prog), mesh.shape, mesh.axis_names, pruned)
     # Every layer asks for its fastest plan; an identical layer's solve answers it.
     planner.asked.add((id(prog), mesh.shape, mesh.axis_names, None, False))
     if key not in planner.options:
         at = planner.layer_mesh(prog, mesh)
         fast = planner.cost(prog, at, None)
         lean = fast
-        if (mesh.shape, mesh.axis_names) not in planner.lean_pruned and \
-                not _params_finest(prog, fast, at):
+        if not pruned and not _params_finest(prog, fast, at):
             try:
                 lean = planner.cost(prog, at, None, lean=True)
             except PlanningError:
@@ -1428,7 +1441,7 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
     for si, sub in enumerate(shapes):
         for shape in _logical_shapes(sub):
             mesh = LogicalMesh(shape, ("x", "y"))
-            options = [_layer_options(planner, prog, mesh) for prog in distinct]
+            options = [_layer_options(planner, prog, mesh, budget) for prog in distinct]
             # (Every layer asks: the statistics count its answer as reused.)
             planner.asked.update((id(prog), shape, mesh.axis_names, None, False)
                                  for prog in progs)
