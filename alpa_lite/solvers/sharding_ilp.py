@@ -132,8 +132,8 @@ for costs that differ by a few microseconds out of a second)."""
 
 LP_INTEGRALITY_TOLERANCE = 1e-7
 """How far from 0 or 1 a strategy variable of the LP relaxation's optimum may be for that
-optimum to be taken as the ILP's (``_run_highs_relaxation``); HiGHS' own integrality tolerance is 1e-6,
-so an LP answer accepted here is one its MILP would accept at the root."""
+optimum to be taken as the ILP's (``_run_highs_relaxation``); HiGHS' own integrality
+tolerance is 1e-6, so an LP answer accepted here is one its MILP would accept at the root."""
 
 _BRUTE_FORCE_CHUNK = 1 << 16  # combinations evaluated per numpy batch in brute_force
 
@@ -1436,7 +1436,6 @@ class _Relaxation:
     row_dual: np.ndarray
     integral: bool          # every strategy variable 0 or 1 (LP_INTEGRALITY_TOLERANCE)
     model: _Model
-
 
 
 def _highs_lp(model: _Model, integer: bool):
