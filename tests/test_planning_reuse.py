@@ -270,6 +270,38 @@ def test_the_stage_dp_counts_what_a_recomputing_stage_rebuilds_and_stays_a_relax
         dp_plan(0.3 * peak)
 
 
+def test_polish_plans_whole_only_what_the_stage_search_could_take():
+    """Polish re-plans a stage whole on its submesh's meshes, but not a mesh and plan kind
+    whose layers already need more than the stage search's budget: those are listed, with
+    that need, and never chosen. The exhaustive mode plans them whole too, and its pipeline
+    is not 1% faster."""
+    args = _args()
+    parts = _step(al.Auto(num_micro_batches=4)).parts(*args)
+
+    def plan(budget=None, exhaustive=False):
+        method = al.Auto(num_micro_batches=4, schedule="1f1b", memory_budget_bytes=budget,
+                         exhaustive=exhaustive)
+        return make_pipeline_plan(parts, method, FOUR_H100, parts.outer.fingerprint,
+                                  parts.outer.input_avals)
+
+    peak = plan().peak_memory_bytes
+    listed = 0
+    for fraction in (0.7, 0.5):
+        budget = fraction * peak
+        fast = plan(budget)
+        meshes = [a for a in fast.explanation.alternatives if a.kind == "mesh"]
+        skipped = [a for a in meshes if a.label.endswith("not planned whole")]
+        for a in skipped:
+            assert not a.fits and not a.chosen and a.memory_bytes > 0
+        listed += len(skipped)
+        every = plan(budget, exhaustive=True)
+        assert not any(a.label.endswith("not planned whole")
+                       for a in every.explanation.alternatives if a.kind == "mesh")
+        assert fast.pipeline.step_time_s <= every.pipeline.step_time_s * 1.01
+        assert fast.peak_memory_bytes <= budget
+    assert listed
+
+
 def test_lean_plans_pruned_at_one_budget_are_planned_at_a_lower_one():
     """A mesh whose memory-lean layer plans cannot help at one budget (every layer's
     fastest plan fits, all in one stage) is pruned at that budget only: a stage search

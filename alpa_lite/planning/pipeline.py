@@ -1264,6 +1264,23 @@ def _even_split(L: int, pp: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class WholeStage:
+    """A stage's candidate for `_polish`: a logical mesh, fastest or memory-lean, with or
+    without remat; its layers' summed time, and what they need by the stage search's
+    memory model where that is over the search's budget (None: within it)."""
+    layer_sum_s: float
+    mesh: LogicalMesh
+    lean: bool
+    remat: bool
+    layers_need_bytes: float | None
+
+    @property
+    def label(self) -> str:
+        return f"mesh {self.mesh.shape}{' lean' if self.lean else ''}" \
+            f"{' remat' if self.remat else ''}"
+
+
 def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, chosen, m: int,
             dp_budget: float, alternatives: list[Alternative] | None = None):
     """The DP costs a stage as the sum of its layers; each chosen stage is now planned whole
@@ -1275,63 +1292,100 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
     Meshes are tried in the order of their layer sums. A whole stage costs at least the sum
     of its layers planned alone (it adds the resharding between layers), so once a whole
     plan that fits is in hand, a mesh whose layer sum is no faster is not planned. The sums
-    are the stage search's, at its budget `dp_budget`."""
+    are the stage search's, at its budget `dp_budget`.
+
+    A mesh, plan kind and remat whose layers already need more than `dp_budget` by the
+    stage search's memory model (the one it chose from) is planned whole only where none
+    of the others fits whole (polish then hands `_fit_stages` the fastest over-budget plan
+    to tighten, and that may be one of these); otherwise it is listed, not planned. In
+    `exhaustive` mode every one is planned. On GPT-39B's 8 x 8 V100s these were half of
+    the whole-stage plans polish made: a stage's fastest layer plans, which keep their
+    weights whole over a data-parallel axis, need about 35 GiB by the layer sums where
+    14.9 fit, and their whole stages about 31."""
     budget = method.memory_budget_bytes or cluster.device.memory_bytes
     S = len(chosen)
     out = []
+    residuals: dict = {}        # reuse key -> the bytes of the layer's residuals
 
-    def candidates(a: int, b: int, mesh: LogicalMesh, remat: bool):
+    def candidates(s: int, remat: bool) -> list[WholeStage]:
+        (a, b), mesh, dp_remat, dp_lean = chosen[s]
+        in_flight = min(S - s, m) if method.schedule == "1f1b" else m
         sub = SubmeshShape(max(1, mesh.num_devices // cluster.devices_per_node),
                            min(mesh.num_devices, cluster.devices_per_node))
         found = []
         for shape in _logical_shapes(sub):
             at_zero = LogicalMesh(shape, ("x", "y"))
             sums = np.zeros(2)
+            need = np.zeros(2)
             for layer in range(a, b + 1):
-                for i, c in enumerate(_layer_options(planner, planner.program(*bounds[layer]),
-                                                     at_zero, dp_budget)):
+                prog = planner.program(*bounds[layer])
+                key = planner.reuse_key(prog)
+                if key not in residuals:
+                    residuals[key] = sum(prog.fb.graph.tensors[t].nbytes
+                                         for t in prog.residuals)
+                for i, c in enumerate(_layer_options(planner, prog, at_zero, dp_budget)):
                     sums[i] += c.search_time_s(m, remat)
+                    # The stage search's memory model (`_search`'s columns).
+                    need[i] += c.param_bytes + in_flight * c.act_bytes if not remat else \
+                        c.param_bytes + residuals[key] / sub.num_devices \
+                        + in_flight * c.input_bytes
             cand = LogicalMesh(shape, ("x", "y"), device_offset=mesh.device_offset)
-            found += [(sums[0], cand, False, remat), (sums[1], cand, True, remat)]
+            for i, lean in enumerate((False, True)):
+                searchable = need[i] <= dp_budget or planner.exhaustive or \
+                    (shape, lean, remat) == (mesh.shape, dp_lean, dp_remat)
+                found.append(WholeStage(float(sums[i]), cand, lean, remat,
+                                        None if searchable else float(need[i])))
         return found
 
-    def both(a: int, b: int, mesh: LogicalMesh, remat: bool):
+    def both(s: int) -> list[WholeStage]:
         # The DP's remat choice came from its layer sums; the whole stage may need remat
         # to fit where the sums did not say so, so a stage without it weighs it too.
-        found = candidates(a, b, mesh, remat) + ([] if remat else candidates(a, b, mesh, True))
-        return sorted(found, key=lambda f: (f[0], f[2], f[3], f[1].shape))
+        remat = chosen[s][2]
+        found = candidates(s, remat) + ([] if remat else candidates(s, True))
+        return sorted(found, key=lambda f: (f.layer_sum_s, f.lean, f.remat, f.mesh.shape))
 
-    def walk(s: int, prog: StageProgram, cands):
+    def walk(s: int, prog: StageProgram, cands: list[WholeStage]):
         """One stage's walk over its candidates; yields each whole-stage job it is about
-        to read, returns (best, what it weighed)."""
+        to read, returns (best, what it weighed). The candidates the stage search could
+        not take come last, and only where none of the others fits whole."""
         in_flight = min(S - s, m) if method.schedule == "1f1b" else m
         a, b = chosen[s][0]
         best = None
         weighed = []
-        for layer_sum, cand, lean_, remat_ in cands:
-            if best is not None and not best[0][0] and layer_sum >= best[0][1]:
+        searchable = [c for c in cands if c.layers_need_bytes is None]
+        over_budget = [c for c in cands if c.layers_need_bytes is not None]
+        for group in (searchable, over_budget):
+            if group is over_budget and best is not None and not best[0][0]:
+                # Listed where their layers alone would have been fast enough to plan.
+                weighed.extend(Alternative(
+                    "mesh", s, f"{c.label}: its layers need {format_bytes(c.layers_need_bytes)}"
+                    " per device, not planned whole", c.layer_sum_s, c.layers_need_bytes, False)
+                    for c in group if c.layer_sum_s < best[0][1])
                 break
-            label = f"mesh {cand.shape}{' lean' if lean_ else ''}{' remat' if remat_ else ''}"
-            yield (prog, cand, None, lean_)
-            try:
-                c = planner.cost(prog, cand, None, lean_)
-            except PlanningError:
-                weighed.append(Alternative("mesh", s, f"{label}: no plan", 0.0, 0.0, False))
-                continue
-            memory = stage_estimate(planner, prog, c, cand, in_flight, remat_).total
-            t = c.search_time_s(m, remat_)
-            key = (memory > budget, t)
-            weighed.append(Alternative("mesh", s, label, t, memory, memory <= budget))
-            if best is None or key < best[0]:
-                best = (key, ((a, b), cand, remat_, lean_), len(weighed) - 1)
+            for c in group:
+                if best is not None and not best[0][0] and c.layer_sum_s >= best[0][1]:
+                    break
+                yield (prog, c.mesh, None, c.lean)
+                try:
+                    cost = planner.cost(prog, c.mesh, None, c.lean)
+                except PlanningError:
+                    weighed.append(Alternative("mesh", s, f"{c.label}: no plan", 0.0, 0.0,
+                                               False))
+                    continue
+                memory = stage_estimate(planner, prog, cost, c.mesh, in_flight, c.remat).total
+                t = cost.search_time_s(m, c.remat)
+                key = (memory > budget, t)
+                weighed.append(Alternative("mesh", s, c.label, t, memory, memory <= budget))
+                if best is None or key < best[0]:
+                    best = (key, ((a, b), c.mesh, c.remat, c.lean), len(weighed) - 1)
         return best, weighed
 
     # The stages walk together, each on its own candidates, on every core (`run_walks`).
     progs = [planner.layers_program(bounds, a, b) for (a, b), *_ in chosen]
-    cands = [both(a, b, mesh, remat) for (a, b), mesh, remat, _ in chosen]
+    cands = [both(s) for s in range(S)]
     ended = planner.run_walks(
         [walk(s, prog, cs) for s, (prog, cs) in enumerate(zip(progs, cands))],
-        [(prog, cand, None, lean_) for prog, cs in zip(progs, cands) for _, cand, lean_, _ in cs])
+        [(prog, c.mesh, None, c.lean) for prog, cs in zip(progs, cands) for c in cs])
     for s, ((a, b), mesh, remat, lean) in enumerate(chosen):
         best, weighed = ended[s]
         if alternatives is not None:
