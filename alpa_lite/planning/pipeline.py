@@ -1326,9 +1326,11 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
                 for i, c in enumerate(_layer_options(planner, prog, at_zero, dp_budget)):
                     sums[i] += c.search_time_s(m, remat)
                     # The stage search's memory model (`_search`'s columns).
-                    need[i] += c.param_bytes + in_flight * c.act_bytes if not remat else \
-                        c.param_bytes + residuals[key] / sub.num_devices \
-                        + in_flight * c.input_bytes
+                    if remat:
+                        need[i] += c.param_bytes + residuals[key] / sub.num_devices \
+                            + in_flight * c.input_bytes
+                    else:
+                        need[i] += c.param_bytes + in_flight * c.act_bytes
             cand = LogicalMesh(shape, ("x", "y"), device_offset=mesh.device_offset)
             for i, lean in enumerate((False, True)):
                 searchable = need[i] <= dp_budget or planner.exhaustive or \
