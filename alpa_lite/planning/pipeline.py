@@ -1297,11 +1297,12 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
     A mesh, plan kind and remat whose layers already need more than `dp_budget` by the
     stage search's memory model (the one it chose from) is planned whole only where none
     of the others fits whole (polish then hands `_fit_stages` the fastest over-budget plan
-    to tighten, and that may be one of these); otherwise it is listed, not planned. In
-    `exhaustive` mode every one is planned. On GPT-39B's 8 x 8 V100s these were half of
-    the whole-stage plans polish made: a stage's fastest layer plans, which keep their
-    weights whole over a data-parallel axis, need about 35 GiB by the layer sums where
-    14.9 fit, and their whole stages about 31."""
+    to tighten, and that may be one of these); otherwise it is not planned, and listed
+    where its layer sum is faster than the plan kept. In `exhaustive` mode every one is
+    planned. On GPT-39B's 8 x 8 V100s these were half of the whole-stage plans polish
+    made: a stage's fastest layer plans, which keep their weights whole over a
+    data-parallel axis, need about 35 GiB by the layer sums where 14.9 fit, and their
+    whole stages about 31."""
     budget = method.memory_budget_bytes or cluster.device.memory_bytes
     S = len(chosen)
     out = []
