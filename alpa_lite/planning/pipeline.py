@@ -1308,9 +1308,12 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
     out = []
     residuals: dict = {}        # reuse key -> the bytes of the layer's residuals
 
+    def held(s: int) -> int:    # micro-batches stage s holds, as the stage search counts
+        return min(S - s, m) if method.schedule == "1f1b" else m
+
     def candidates(s: int, remat: bool) -> list[WholeStage]:
         (a, b), mesh, dp_remat, dp_lean = chosen[s]
-        in_flight = min(S - s, m) if method.schedule == "1f1b" else m
+        in_flight = held(s)
         sub = SubmeshShape(max(1, mesh.num_devices // cluster.devices_per_node),
                            min(mesh.num_devices, cluster.devices_per_node))
         found = []
@@ -1322,8 +1325,7 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
                 prog = planner.program(*bounds[layer])
                 key = planner.reuse_key(prog)
                 if key not in residuals:
-                    residuals[key] = sum(prog.fb.graph.tensors[t].nbytes
-                                         for t in prog.residuals)
+                    residuals[key] = _residual_bytes(prog)
                 for i, c in enumerate(_layer_options(planner, prog, at_zero, dp_budget)):
                     sums[i] += c.search_time_s(m, remat)
                     # The stage search's memory model (`_search`'s columns).
@@ -1351,7 +1353,7 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
         """One stage's walk over its candidates; yields each whole-stage job it is about
         to read, returns (best, what it weighed). The candidates the stage search could
         not take come last, and only where none of the others fits whole."""
-        in_flight = min(S - s, m) if method.schedule == "1f1b" else m
+        in_flight = held(s)
         a, b = chosen[s][0]
         best = None
         weighed = []
@@ -1423,6 +1425,13 @@ def _layer_options(planner: PipelinePlanner, prog: StageProgram, mesh: LogicalMe
     return planner.options[key]
 
 
+def _residual_bytes(prog: StageProgram) -> float:
+    """The whole bytes of a range's residuals, what its backward reads of its forward (per
+    micro-batch, unsharded): the stage search's workspace for a recomputing stage."""
+    g = prog.fb.graph
+    return float(sum(g.tensors[t].nbytes for t in prog.residuals))
+
+
 def _refuse_below_floor(planner: PipelinePlanner, progs, m: int, budget: float,
                         method: Auto) -> None:
     """Raises PlanningError, before any intra-op problem is built, where no pipeline fits
@@ -1436,8 +1445,7 @@ def _refuse_below_floor(planner: PipelinePlanner, progs, m: int, budget: float,
     for prog in progs:
         g = prog.fb.graph
         rows.append([sum(g.tensors[t].nbytes for t in prog.fb_params) * (2.0 + planner.opt_ratio),
-                     sum(g.tensors[t].nbytes for t in prog.fb_acts),
-                     sum(g.tensors[t].nbytes for t in prog.residuals)])
+                     sum(g.tensors[t].nbytes for t in prog.fb_acts), _residual_bytes(prog)])
     prefix = np.vstack([np.zeros(3), np.cumsum(np.array(rows, dtype=float), axis=0)])
     gpipe = method.schedule == "gpipe"
     starts, ends = range_pairs(len(progs))
@@ -1492,8 +1500,7 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
     which = np.array([first.setdefault(planner.reuse_key(prog), (len(first), prog))[0]
                       for prog in progs])
     distinct = [prog for _, prog in first.values()]
-    residuals = np.array([sum(prog.fb.graph.tensors[t].nbytes for t in prog.residuals)
-                          for prog in distinct], dtype=float)
+    residuals = np.array([_residual_bytes(prog) for prog in distinct])
     prefix: dict[tuple[int, tuple[int, int], str], np.ndarray] = {}
     for si, sub in enumerate(shapes):
         for shape in _logical_shapes(sub):

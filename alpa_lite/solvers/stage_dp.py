@@ -662,9 +662,8 @@ def _build_stage_table(num_layers, num_nodes, devices_per_node, stage_options, m
     lat, param, act = options.latency_s, options.param_bytes, options.act_bytes
     smax = _max_in_flight(param, act, memory, cap)
     kept, query, pos, slo = _fronts(lat, smax, np.asarray(counts, dtype=np.int64), offsets)
-    pair_k, pair_i = range_pairs(num_layers)
-    pair, move_m = np.divmod(query, len(shapes))
-    move_k, move_j = pair_k[pair], pair_i[pair] + 1
+    move_k, move_i, move_m = _query_keys(query, num_layers, len(shapes))
+    move_j = move_i + 1
     # Moves by (j, k, m, latency): the order the DP takes them in, and its tie-break.
     width = int(pos.max(initial=0)) + 1
     sort = np.argsort(((move_j * num_layers + move_k) * len(shapes) + move_m) * width + pos,
@@ -725,13 +724,19 @@ def _fronts(lat, smax, counts, offsets):
     return tuple(np.concatenate(a).astype(np.int64) for a in (kept, query, pos, slo))
 
 
+def _query_keys(query: np.ndarray, num_layers: int, num_shapes: int):
+    """Each query's layer range start and end (inclusive) and submesh index (queries are in
+    (range, submesh) order, ranges as `range_pairs`)."""
+    pair_k, pair_i = range_pairs(num_layers)
+    pair, shape = np.divmod(query, num_shapes)
+    return pair_k[pair], pair_i[pair], shape
+
+
 def _option_keys(table: "_StageTable") -> np.ndarray:
     """(num_options, 3): each option's layer range start, end and submesh index."""
     counts = np.diff(table.query_offsets)
     owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    pair_k, pair_i = range_pairs(table.num_layers)
-    pair, shape = np.divmod(owner, len(table.shapes))
-    return np.stack([pair_k[pair], pair_i[pair], shape], axis=1)
+    return np.stack(_query_keys(owner, table.num_layers, len(table.shapes)), axis=1)
 
 
 class _RangeMinima:
