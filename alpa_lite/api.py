@@ -84,11 +84,16 @@ class ParallelizedStep:
     def _signature(self, args) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(args)
         sig = []
+        # A dtype's name, once per dtype object (str() is slow and the leaves are many);
+        # by id, each kept beside its name so that no id is reused within the loop.
+        names: dict[int, tuple[Any, str]] = {}
         for x in leaves:
             shape = getattr(x, "shape", None)
             dtype = getattr(x, "dtype", None)
+            if dtype is not None and id(dtype) not in names:
+                names[id(dtype)] = (dtype, str(dtype))
             sig.append((tuple(shape) if shape is not None else type(x).__name__,
-                        str(dtype) if dtype is not None else None))
+                        names[id(dtype)][1] if dtype is not None else None))
         return treedef, tuple(sig)
 
     def trace(self, *args) -> TracedStep:

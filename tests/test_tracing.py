@@ -1,6 +1,8 @@
 """Tracing: nested calls inlined, loops kept whole, FLOPs counted from shapes, gradient
 leaves kept on their tensors."""
 
+import dataclasses
+
 import gpt
 import jax
 import jax.numpy as jnp
@@ -85,6 +87,23 @@ def test_dead_code_is_dropped():
         return x + 1
     g = _graph(f, jax.ShapeDtypeStruct((4,), jnp.float32))
     assert _prims(g) == ["add"]
+
+
+def test_renumbering_carries_every_field():
+    # Renumbering builds tensors and nodes by their constructors (for speed); a field
+    # added to either must be carried, as dataclasses.replace would.
+    def f(x, w):
+        with jax.named_scope("block"):
+            return jnp.sum(jax.nn.relu(x @ w))
+    g = _graph(f, jax.ShapeDtypeStruct((4, 8), jnp.float32),
+               jax.ShapeDtypeStruct((8, 2), jnp.float32))
+    assert any(n.scope for n in g.nodes) and any(n.params for n in g.nodes)
+    for t in g.tensors:
+        assert t.renumbered(t.id + 7) == dataclasses.replace(t, id=t.id + 7)
+    for n in g.nodes:
+        assert n.renumbered(n.id + 7) == dataclasses.replace(n, id=n.id + 7)
+        assert n.renumbered(3, (None, 1), (2,)) == \
+            dataclasses.replace(n, id=3, inputs=(None, 1), outputs=(2,))
 
 
 def test_fingerprint_is_stable_and_shape_sensitive():

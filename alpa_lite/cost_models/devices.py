@@ -60,6 +60,12 @@ def require_positive(owner: str, field: str, value: Any) -> float:
 
 def require_non_negative(owner: str, field: str, value: Any) -> float:
     """Returns ``value`` as a float if it is finite and >= 0, else raises ValueError."""
+    # A plain float or int first: the cost models check every operator's and collective's
+    # work here (hundreds of thousands of calls in one plan), and `numbers.Real`'s
+    # isinstance is an ABC check in Python, several times the cost of the rest.
+    if type(value) is float or type(value) is int:
+        if 0.0 <= value < math.inf:
+            return float(value)
     x = _require_number(owner, field, value)
     if not math.isfinite(x) or x < 0.0:
         raise ValueError(

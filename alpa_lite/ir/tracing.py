@@ -576,7 +576,7 @@ def sink_batch_free_work(traced: TracedStep) -> TracedStep:
     if order == list(range(len(g.nodes))):
         return traced
     pos = {old: new for new, old in enumerate(order)}
-    nodes = tuple(dataclasses.replace(g.nodes[old], id=new) for new, old in enumerate(order))
+    nodes = tuple(g.nodes[old].renumbered(new) for new, old in enumerate(order))
     # A boundary before old node i stays before the first batch-reading node from i on.
     kept = sorted(new_at)
     boundaries = []
@@ -638,13 +638,13 @@ def _eliminate_dead_code(b: _Builder, input_ids: list[int], output_ids: list[int
     node_map = {old: new for new, old in enumerate(keep)}
     used = set(input_ids) | needed | {t for i in keep for t in b.nodes[i].outputs}
     tensor_map = {old.id: new for new, old in enumerate(t for t in b.tensors if t.id in used)}
-    b.tensors = [t.replace(id=tensor_map[t.id]) for t in b.tensors if t.id in used]
+    b.tensors = [t.renumbered(tensor_map[t.id]) for t in b.tensors if t.id in used]
     nodes = []
     for i in keep:
         n = b.nodes[i]
-        nodes.append(dataclasses.replace(
-            n, id=node_map[i], inputs=tuple(None if t is None else tensor_map[t] for t in n.inputs),
-            outputs=tuple(tensor_map[t] for t in n.outputs)))
+        nodes.append(n.renumbered(
+            node_map[i], tuple(None if t is None else tensor_map[t] for t in n.inputs),
+            tuple(tensor_map[t] for t in n.outputs)))
     b.primitives = [b.primitives[i] for i in keep]
     b.literals = {(node_map[n], p): v for (n, p), v in b.literals.items() if n in node_map}
     b.consts = {tensor_map[t]: v for t, v in b.consts.items() if t in tensor_map}

@@ -58,6 +58,12 @@ class LogicalMesh:
         """Axes with more than one device (the only ones worth sharding over)."""
         return tuple(n for n, s in zip(self.axis_names, self.shape) if s > 1)
 
+    def __reduce__(self):
+        # Pickled by its constructor's arguments: a frozen dataclass with slots otherwise
+        # pickles through `dataclasses.fields()` per object, several times slower, and the
+        # planner's workers send back hundreds of thousands of these.
+        return LogicalMesh, (self.shape, self.axis_names, self.device_offset)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TensorSpec:
@@ -101,6 +107,9 @@ class TensorSpec:
             raise ValueError(f"a tensor spec must be a list of lists of axis names, got {obj!r}")
         return TensorSpec(tuple(tuple(d) for d in obj))
 
+    def __reduce__(self):
+        return TensorSpec, (self.dims,)     # as LogicalMesh.__reduce__
+
     def __str__(self) -> str:
         if self.is_replicated():
             return "R" if self.dims else "scalar"
@@ -117,6 +126,9 @@ class CollectiveOp:
     axes: tuple[str, ...]
     nbytes: int
     time_s: float
+
+    def __reduce__(self):
+        return CollectiveOp, (self.kind, self.axes, self.nbytes, self.time_s)  # as above
 
 
 class CommModel:

@@ -956,7 +956,8 @@ def _drop_dominated_strategies(work: _Work, v: int) -> bool:
     if not dominated.any():
         return False
     keep = np.ones(k, dtype=bool)
-    for s in reversed(range(k)):
+    # Only a strategy with some dominating row can go: the walk from the last visits those.
+    for s in np.flatnonzero(dominated.any(axis=1))[::-1]:
         if (dominated[s] & keep).any():
             keep[s] = False
     _restrict_strategies(work, v, keep)
