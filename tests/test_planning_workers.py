@@ -1,6 +1,7 @@
 """Tests for alpa_lite.planning.workers (forked workers give what running in order gives)
 and alpa_lite.planning.collector (the collector paced while planning)."""
 
+import dataclasses
 import gc
 import os
 import time
@@ -131,6 +132,21 @@ def test_planning_errors_pickle_with_their_fields():
     import pickle
     e = pickle.loads(pickle.dumps(MemoryBudgetError("over", 3.0)))
     assert isinstance(e, PlanningError) and str(e) == "over" and e.peak_bytes == 3.0
+
+
+def test_the_records_workers_send_back_pickle_whole():
+    # Meshes, specs and collectives pickle by their constructor's arguments (for speed):
+    # every field comes back, in its place.
+    import pickle
+    from alpa_lite.cost_models.collectives import CollectiveKind
+    from alpa_lite.plan.sharding import CollectiveOp, LogicalMesh, TensorSpec
+    for record in (LogicalMesh((2, 4), ("x", "y"), device_offset=8),
+                   TensorSpec(((), ("x", "y"), ("z",))),
+                   CollectiveOp(CollectiveKind.REDUCE_SCATTER, ("y", "x"), 96, 2.5e-3)):
+        back = pickle.loads(pickle.dumps(record))
+        assert type(back) is type(record) and back == record
+        assert all(getattr(back, f.name) == getattr(record, f.name)
+                   for f in dataclasses.fields(record))
 
 
 def test_a_remembered_error_keeps_its_fields_and_lets_its_frames_go():
