@@ -28,8 +28,9 @@ Part 2, planned only (nothing allocated, no device needed): Hugging Face Flax GP
 (124M; batch 32 x 512 tokens) and BERT-base (110M, masked LM; batch 32 x 128), built with
 `_do_init=False`, parameters `jax.eval_shape(lambda: model.init_weights(key, (1, seq)))`,
 AdamW state by `jax.eval_shape(tx.init, params)`, the batch `jax.ShapeDtypeStruct`s, under
-DataParallel, Auto, Manual(dp=2, tp=4) and Manual(dp=4, pp=2, num_micro_batches=4) for
-8xH100: estimated step time and its ratio to DataParallel, per-device memory estimate,
+DataParallel, Auto (one SPMD stage, `Auto(pipeline=False)`), Manual(dp=2, tp=4),
+Manual(dp=4, pp=2, num_micro_batches=4) and plain `Auto()` (pipelines and micro-batch
+counts weighed as well) for 8xH100: estimated step time and its ratio to DataParallel, per-device memory estimate,
 fraction of parameter bytes sharded (read from the plan's input specs: a mesh axis of
 more than one device splits the leaf), planning time.
 
@@ -72,6 +73,9 @@ FULL_METHODS = (
     ("Auto", al.Auto(pipeline=False)),   # one SPMD stage, as these rows were measured
     ("Manual 2x4", al.Manual(dp=2, tp=4)),
     ("dp4 x pp2, m=4", al.Manual(dp=4, pp=2, num_micro_batches=4)),
+    # Plain Auto(), as a user writes it: pipelines and micro-batch counts weighed too (what
+    # that costs in planning time, for the same or a better plan).
+    ("Auto(), pipelines", al.Auto()),
 )
 FULL_MODELS = (   # (label, kind, batch, sequence length)
     ("GPT-2 small 124M, 32x512", "gpt2", 32, 512),
