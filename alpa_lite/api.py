@@ -23,7 +23,7 @@ from alpa_lite import compression as C
 from alpa_lite.cost_models.cluster import Cluster
 from alpa_lite.errors import PlanMismatchError, PlanningError
 from alpa_lite.ir.batch import batch_size
-from alpa_lite.ir.graph import Role
+from alpa_lite.ir.graph import Role, dtype_name
 from alpa_lite.ir.step_parts import SplitTraces, StepParts, split_step
 from alpa_lite.ir.tracing import TracedStep, trace
 from alpa_lite.plan import Choice, Plan
@@ -84,16 +84,12 @@ class ParallelizedStep:
     def _signature(self, args) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(args)
         sig = []
-        # A dtype's name, once per dtype object (str() is slow and the leaves are many);
-        # by id, each kept beside its name so that no id is reused within the loop.
-        names: dict[int, tuple[Any, str]] = {}
         for x in leaves:
             shape = getattr(x, "shape", None)
             dtype = getattr(x, "dtype", None)
-            if dtype is not None and id(dtype) not in names:
-                names[id(dtype)] = (dtype, str(dtype))
+            # `dtype_name` is memoised per dtype: str() of each of thousands of leaves is not.
             sig.append((tuple(shape) if shape is not None else type(x).__name__,
-                        names[id(dtype)][1] if dtype is not None else None))
+                        dtype_name(dtype) if dtype is not None else None))
         return treedef, tuple(sig)
 
     def trace(self, *args) -> TracedStep:

@@ -1328,12 +1328,10 @@ def _polish(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, ch
                     residuals[key] = _residual_bytes(prog)
                 for i, c in enumerate(_layer_options(planner, prog, at_zero, dp_budget)):
                     sums[i] += c.search_time_s(m, remat)
-                    # The stage search's memory model (`_search`'s columns).
-                    if remat:
-                        need[i] += c.param_bytes + residuals[key] / sub.num_devices \
-                            + in_flight * c.input_bytes
-                    else:
-                        need[i] += c.param_bytes + in_flight * c.act_bytes
+                    held_always, per_micro_batch = _memory_terms(
+                        c.param_bytes, c.act_bytes, c.input_bytes,
+                        residuals[key] / sub.num_devices, remat)
+                    need[i] += held_always + in_flight * per_micro_batch
             cand = LogicalMesh(shape, ("x", "y"), device_offset=mesh.device_offset)
             for i, lean in enumerate((False, True)):
                 searchable = need[i] <= dp_budget or planner.exhaustive or \
@@ -1432,6 +1430,17 @@ def _residual_bytes(prog: StageProgram) -> float:
     return float(sum(g.tensors[t].nbytes for t in prog.residuals))
 
 
+def _memory_terms(param, act, inp, rebuilt, remat: bool):
+    """The stage search's memory model of a range (numbers or arrays of them, per device):
+    what it holds whatever the micro-batches in flight, and what it holds per micro-batch
+    in flight. A recomputing stage keeps only its inputs per micro-batch, but its backward
+    rebuilds every residual of one micro-batch at once (the whole-stage estimate counts
+    them as workspace): a constant term, at least their bytes split over every device of
+    the submesh (whatever the whole stage's shardings, so the DP still never refuses a
+    stage that fits)."""
+    return (param + rebuilt, inp) if remat else (param, act)
+
+
 def _refuse_below_floor(planner: PipelinePlanner, progs, m: int, budget: float,
                         method: Auto) -> None:
     """Raises PlanningError, before any intra-op problem is built, where no pipeline fits
@@ -1528,18 +1537,15 @@ def _search(planner: PipelinePlanner, method: Auto, cluster: Cluster, bounds, m:
                 p = prefix[(si, shape, kind)]
                 f, bw, par, act, inp, rebuilt = (p[ends + 1] - p[starts]).T
                 tag = "" if kind == "fast" else " lean"
-                # A recomputing stage keeps only its inputs per micro-batch in flight, but
-                # its backward rebuilds every residual of one micro-batch at once (the
-                # whole-stage estimate counts them as workspace): a constant term, at
-                # least their bytes split over every device of the submesh (whatever the
-                # whole stage's shardings, so the DP still never refuses a stage that fits).
-                if gpipe:   # every stage holds all m micro-batches, not the DP's 1F1B count
-                    par, act, inp, kept = par + act * m, np.zeros_like(act), \
-                        np.zeros_like(inp), par + inp * m + rebuilt
-                else:
-                    kept = par + rebuilt
-                cols.append((f + bw, par, act, f"{shape}{tag}"))
-                cols.append((2 * f + bw, kept, inp, f"{shape}{tag} remat"))
+                for remat, time, label in ((False, f + bw, f"{shape}{tag}"),
+                                           (True, 2 * f + bw, f"{shape}{tag} remat")):
+                    held_always, per_micro_batch = _memory_terms(par, act, inp, rebuilt,
+                                                                 remat)
+                    if gpipe:   # every stage holds all m micro-batches, not 1F1B's count
+                        # (summed in the order the columns always were: the same floats)
+                        held_always = par + per_micro_batch * m + (rebuilt if remat else 0.0)
+                        per_micro_batch = np.zeros_like(per_micro_batch)
+                    cols.append((time, held_always, per_micro_batch, label))
         return OptionColumns(*(np.stack([c[a] for c in cols], 1) for a in range(3)),
                              tuple(c[3] for c in cols))
 
