@@ -92,6 +92,15 @@ def _op(node: Node) -> str:
     return f"operator {node.name}" + (f" (in {node.scope})" if node.scope else "")
 
 
+def _same_value(a, b) -> bool:
+    """Whether two constants (a literal or a captured array in the two traces) are the same
+    value, a NaN the same as a NaN: a literal NaN (jnp.var's value for an empty sample)
+    is one constant at every batch size, not a value that changes with it."""
+    a, b = np.asarray(a), np.asarray(b)
+    nan = np.issubdtype(a.dtype, np.inexact) and np.issubdtype(b.dtype, np.inexact)
+    return np.array_equal(a, b, equal_nan=nan)
+
+
 def _eps(value: np.ndarray) -> float:
     return float(np.finfo(value.dtype).eps) if np.issubdtype(value.dtype, np.inexact) else 0.0
 
@@ -223,15 +232,14 @@ class _Checker:
                 self.kind[t] = IND
         for t, vf in full.consts.items():
             vm = micro.consts.get(t)
-            same = vm is not None and np.shape(vm) == np.shape(vf) and \
-                np.array_equal(np.asarray(vm), np.asarray(vf))
+            same = vm is not None and np.shape(vm) == np.shape(vf) and _same_value(vm, vf)
             self.kind[t] = IND if same else SIZED
         # A literal that differs between the traces (the 1/B of a mean) is rounded to its
         # dtype, so a ratio built from such literals is exact only up to their rounding
         # (x * (1/21) against x * (1/7) in float32 is 3 * (1 + 4e-8)).
         self.tol = _RTOL + sum(_eps(a) + _eps(b) for a, b in (
             (np.asarray(v), np.asarray(full.literals[k])) for k, v in micro.literals.items())
-            if not np.array_equal(a, b))
+            if not _same_value(a, b))
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -243,7 +251,7 @@ class _Checker:
                 np.asarray(self.full.literals[(node.id, pos)]))
 
     def literal_differs(self, node: Node) -> bool:
-        return any(not np.array_equal(*self.literal(node, p))
+        return any(not _same_value(*self.literal(node, p))
                    for p, t in enumerate(node.inputs) if t is None)
 
     def is_zero(self, node: Node, pos: int) -> bool:
@@ -269,7 +277,7 @@ class _Checker:
         if t is not None:
             return self.ratio.get(t, 1.0)
         a, b = self.literal(node, pos)
-        if np.array_equal(a, b):
+        if _same_value(a, b):
             return 1.0
         a, b = float(a), float(b)
         if a == 0 or b == 0:
