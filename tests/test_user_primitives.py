@@ -151,3 +151,39 @@ def test_pipelines_keep_custom_vjp_rules():
     np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _relu_at_zero_loss(p, x):
+    # Rounding puts exact zeros into relu's input (the bias starts at zero), where
+    # jax.nn.relu's custom_jvp rule says the derivative is 0; the max(x, 0) it computes
+    # with would split it, 0.5 each way. (An eval-mode BatchNorm CNN at initialisation, a
+    # Hugging Face ResNet say, meets such zeros too.)
+    h = jax.nn.relu(jnp.round(x @ p["w1"]) + p["b"])
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+
+def _relu_at_zero_step(p, s, x):
+    loss, g = al.value_and_grad(_relu_at_zero_loss)(p, x)
+    u, s = TX.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+
+def test_pipelines_keep_custom_jvp_rules():
+    k = jax.random.split(jax.random.key(4), 3)
+    p = {"w1": jax.random.normal(k[0], (16, 32)), "b": jnp.zeros(32),
+         "w2": jax.random.normal(k[1], (32, 8))}
+    args = (p, TX.init(p), jax.random.normal(k[2], (16, 16)))
+    ref = jax.jit(_relu_at_zero_step)(*args)
+    # The rule matters here: the bias's gradient differs where relu's input is 0.
+    g_rule = jax.grad(_relu_at_zero_loss)(p, args[2])["b"]
+    def with_max(p, x):
+        h = jnp.maximum(jnp.round(x @ p["w1"]) + p["b"], 0.0)
+        return jnp.mean((h @ p["w2"]) ** 2)
+
+    assert not np.allclose(g_rule, jax.grad(with_max)(p, args[2])["b"])
+    for method in (al.Manual(dp=4, pp=2, num_micro_batches=2),
+                   al.Manual(dp=4, pp=2, num_micro_batches=1)):
+        out = al.parallelize(_relu_at_zero_step, method=method)(*args)
+        np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

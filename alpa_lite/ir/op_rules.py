@@ -535,10 +535,9 @@ CALL_BODIES = {
 
 
 # Calls that carry their own derivative rule, kept whole where the program is differentiated
-# after tracing (`tracing.trace_flat`). `custom_jvp_call` is not among them yet: kept whole,
-# a two-process pipeline could not place the activations around it (tests/test_multiprocess),
-# so its rule (jax.nn.relu's derivative at 0) is still lost in pipelines.
-CUSTOM_DERIVATIVES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+# after tracing (`tracing.trace_flat`): a straight-through estimator's custom_vjp,
+# jax.nn.relu's custom_jvp (derivative 0 at exactly 0, where max(x, 0) would give 0.5).
+CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 class _BodyDims:

@@ -491,10 +491,10 @@ def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
     """Traces `fn(*leaves)` (array leaves in, a flat tuple of arrays out) into a graph
     whose inputs carry the given roles; used for the pieces of a pipelined step.
 
-    The pieces are differentiated later (`jax.vjp` of their replay), so a `jax.custom_vjp`
-    function (a straight-through estimator) stays one node, whose replay brings its rule
-    along; inlined, its body would be differentiated instead, silently (see
-    `op_rules.CUSTOM_DERIVATIVES` for `custom_jvp`, not yet kept).
+    The pieces are differentiated later (`jax.vjp` of their replay), so a function with a
+    custom derivative (`jax.custom_vjp`, `jax.custom_jvp`: a straight-through estimator,
+    jax.nn.relu's derivative at 0) stays one node, whose replay brings its rule along;
+    inlined, its body would be differentiated instead, silently.
 
     With `batch_draws` (per `random_bits` equation in trace order, whether its leading
     dimension is the batch's), the graph gets one more input, last: the micro-batch's row

@@ -165,10 +165,33 @@ def _place_leaf(x: Any, sharding: Any) -> Any:
     # `committed` is a property of the value in the program, the same on every process,
     # so every process takes the same branch.
     if isinstance(x, jax.Array) and x.committed:
-        return x if x.sharding == sharding else jax.device_put(x, sharding)
+        return x if x.sharding == sharding else _moved(x, sharding)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index],
                                         dtype=host.dtype)
+
+
+def _moved(x: jax.Array, sharding: Any) -> jax.Array:
+    """`x` (committed, laid out differently) laid out as `sharding`, also where some of
+    the devices involved belong to other processes.
+
+    JAX's `device_put` reshards only values this process holds whole, and copies between
+    processes only between layouts that match shard for shard. So a change of layout on
+    the same devices is a jitted identity (which the processes not holding the devices
+    join in name), and a move to other devices with another layout is first a copy in the
+    source's layout onto the target's mesh (when the meshes have the same shape), then
+    that change of layout there."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    if x.sharding.device_set == sharding.device_set:
+        return _replicate(x, sharding)
+    src = x.sharding
+    if (isinstance(src, jax.sharding.NamedSharding)
+            and isinstance(sharding, jax.sharding.NamedSharding)
+            and src.mesh.shape_tuple == sharding.mesh.shape_tuple):
+        copied = jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh, src.spec))
+        return copied if copied.sharding == sharding else _replicate(copied, sharding)
+    return jax.device_put(x, sharding)
 
 
 def process_rows(sharding: Any, shape: tuple[int, ...]) -> slice:

@@ -5,10 +5,10 @@ Per stage, two programs are jitted on the stage's `Mesh` with the shardings the 
 forward of one micro-batch (returning the stage outputs and the residuals its backward
 needs, or only the outputs when the stage recomputes) and the backward (parameter gradients,
 added into per-stage accumulators, and the gradients of the stage inputs, sent back).
-Activations and their gradients move between submeshes with `jax.device_put` to the
-receiving stage's shardings. The tasks are issued from Python in the plan's schedule
-order (GPipe or 1F1B); JAX dispatches asynchronously, so stages on different devices run
-side by side.
+Activations and their gradients move between submeshes to the receiving stage's
+shardings (`distributed.place`: `jax.device_put`, also across processes). The tasks are
+issued from Python in the plan's schedule order (GPipe or 1F1B); JAX dispatches
+asynchronously, so stages on different devices run side by side.
 
 After the last backward, the apply-gradient part of the step (the optimizer update) runs
 where the parameters live: each operator of it goes to the stage owning what it reads, and
@@ -455,16 +455,16 @@ class PipelineExecutable:
                         pieces = cts.pop((t, i))
                         total = pieces[0]
                         for p in pieces[1:]:
-                            total = total + jax.device_put(p, total.sharding)
+                            total = total + place(p, total.sharding)
                         ct_vals.append(total)
-                ct_vals = jax.device_put(ct_vals, st.ct_in)
+                ct_vals = place(ct_vals, st.ct_in)
                 g_params, g_acts = st.backward(params[s], acts, res, ct_vals)
                 grads[s] = g_params if grads[s] is None else st.accumulate(grads[s], g_params)
                 d_acts = [t for t, d in zip(prog.acts, prog.diff_acts) if d]
                 for t, g in zip(d_acts, g_acts):
                     if t in self.maker:
                         cts.setdefault((t, i), []).append(
-                            jax.device_put(g, self.stages[self.maker[t]].sharding(
+                            place(g, self.stages[self.maker[t]].sharding(
                                 self._output_spec(t))))
 
         # Stages that accumulate per device reduce once, now.
@@ -479,7 +479,7 @@ class PipelineExecutable:
         grad_of: dict[int, Any] = {}
         for s, st in enumerate(self.stages):
             for t, g in zip(st.prog.params, grads[s]):
-                g = jax.device_put(g, self.grad_sharding[t])
+                g = place(g, self.grad_sharding[t])
                 grad_of[t] = g if t not in grad_of else grad_of[t] + g
         loss = losses[0]
         for x in losses[1:]:
@@ -493,8 +493,8 @@ class PipelineExecutable:
             if t_f not in grad_of:
                 # The loss never reads this parameter: its gradient is zero.
                 tt = fwd.tensors[t_f]
-                grad_of[t_f] = jax.device_put(np.zeros(tt.shape, as_dtype(tt.dtype)),
-                                              self.input_sharding[outer_of_fwd[t_f]])
+                grad_of[t_f] = place(np.zeros(tt.shape, as_dtype(tt.dtype)),
+                                     self.input_sharding[outer_of_fwd[t_f]])
             env[t] = grad_of[t_f]
         env[parts.value_output()] = loss
         value_outs = outer.nodes[parts.grad_node].outputs
@@ -522,7 +522,7 @@ class PipelineExecutable:
                 if outer.producer(t) is None and self.input_stage.get(t) == s:
                     v = place(v, self.input_sharding[t])
                 elif _elsewhere(v, st.mesh):
-                    v = jax.device_put(v, st.replicated())
+                    v = place(v, st.replicated())
                 vals.append(v)
             for t, v in zip(outs, fn(*vals)):
                 env[t] = v
@@ -582,11 +582,11 @@ def combine(rule: AuxCombination, values: list):
     if rule.combine in (Combine.SAME, Combine.LAST) or len(values) == 1:
         return values[-1]
     if rule.combine is Combine.CONCAT:
-        values = [jax.device_put(v, values[0].sharding) for v in values]
+        values = [place(v, values[0].sharding) for v in values]
         return jnp.concatenate(values, axis=rule.axis)
     total = values[0]
     for v in values[1:]:
-        total = total + jax.device_put(v, total.sharding)
+        total = total + place(v, total.sharding)
     return total / len(values) if rule.combine is Combine.MEAN else total
 
 
