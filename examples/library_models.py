@@ -68,7 +68,7 @@ def nnx_mlp(batch_size: int = 16) -> Case:
     return Case(train_step, (state, SGD.init(state), batch))
 
 
-# ---- (d) Equinox: partition into arrays and the static rest -----------------------------
+# ---- (d) Equinox: partition into arrays and the static rest; models written per example -
 
 def eqx_mlp(batch_size: int = 16) -> Case:
     import equinox as eqx
@@ -95,7 +95,70 @@ def eqx_mlp(batch_size: int = 16) -> Case:
     return Case(train_step, (params, SGD.init(params), batch))
 
 
-# ---- (e) Hugging Face transformers Flax GPT-2 and BERT, from a config -------------------
+def eqx_transformer(batch_size: int = 8) -> Case:
+    """A small Equinox transformer written per example, as Equinox's docs write models:
+    `eqx.nn.LayerNorm` and `eqx.nn.MLP` act on one position (vmapped over the sequence),
+    `eqx.nn.MultiheadAttention` on one sequence, and the loss vmaps the model over the
+    batch. (eqx.nn.LayerNorm's variance, `jnp.var`, holds a literal NaN for an empty
+    sample: a constant that the micro-batching guard must not take for a batch size.)"""
+    import equinox as eqx
+
+    dim, heads, vocab, seq = 32, 4, 256, 16
+
+    class Block(eqx.Module):
+        attention: eqx.nn.MultiheadAttention
+        norm1: eqx.nn.LayerNorm
+        norm2: eqx.nn.LayerNorm
+        mlp: eqx.nn.MLP
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.attention = eqx.nn.MultiheadAttention(heads, dim, key=k1)
+            self.norm1, self.norm2 = eqx.nn.LayerNorm(dim), eqx.nn.LayerNorm(dim)
+            self.mlp = eqx.nn.MLP(dim, dim, 4 * dim, depth=1, activation=jax.nn.gelu,
+                                  key=k2)
+
+        def __call__(self, x):
+            y = jax.vmap(self.norm1)(x)
+            x = x + self.attention(y, y, y)
+            return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
+
+    class Model(eqx.Module):
+        embedding: eqx.nn.Embedding
+        blocks: list
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            keys = jax.random.split(key, 4)
+            self.embedding = eqx.nn.Embedding(vocab, dim, key=keys[0])
+            self.blocks = [Block(k) for k in keys[1:3]]
+            self.head = eqx.nn.Linear(dim, vocab, key=keys[3])
+
+        def __call__(self, ids):
+            x = jax.vmap(self.embedding)(ids)
+            for block in self.blocks:
+                x = block(x)
+            return jax.vmap(self.head)(x)
+
+    params, static = eqx.partition(Model(jax.random.key(0)), eqx.is_array)
+
+    def loss(params, ids, labels):
+        model = eqx.combine(params, static)
+        logits = jax.vmap(model)(ids)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def train_step(params, opt_state, batch):
+        value, grads = al.value_and_grad(loss)(params, batch["ids"], batch["labels"])
+        updates, opt_state = SGD.update(grads, opt_state, params)
+        return eqx.apply_updates(params, updates), opt_state, value
+
+    k = jax.random.split(jax.random.key(1), 2)
+    batch = {"ids": jax.random.randint(k[0], (batch_size, seq), 0, vocab),
+             "labels": jax.random.randint(k[1], (batch_size, seq), 0, vocab)}
+    return Case(train_step, (params, SGD.init(params), batch))
+
+
+# ---- (e) Hugging Face transformers Flax GPT-2, BERT and ResNet, from a config ------------
 
 # A vocabulary of 2048: the token embedding, tied to the output layer, is then the largest
 # weight, as in the real models.
@@ -180,6 +243,34 @@ def hf_full_size(kind: str, batch_size: int, seq: int, tx=None) -> Case:
     tokens = jax.ShapeDtypeStruct((batch_size, seq), jnp.int32)
     batch = {"input_ids": tokens, "labels": tokens}
     return Case(_hf_train_step(model, tx), (params, opt_state, batch))
+
+
+def hf_resnet(batch_size: int = 8) -> Case:
+    """A Hugging Face Flax ResNet (BatchNorm in inference mode: `train=False`, its running
+    statistics among the parameters). At initialisation (BatchNorm's bias 0) ReLU meets
+    inputs of exactly 0, where `jax.nn.relu`'s own derivative rule (0) and the max(x, 0)
+    it computes with (0.5) differ: a pipeline must keep the rule."""
+    from transformers import FlaxResNetForImageClassification, ResNetConfig
+
+    config = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                          depths=[1, 1], num_labels=10)
+    model, params = hf_model(FlaxResNetForImageClassification, config)
+
+    def loss_fn(params, pixel_values, labels):
+        logits = model(pixel_values, params=params, train=False).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def train_step(params, opt_state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(params, batch["pixel_values"],
+                                                 batch["labels"])
+        updates, opt_state = SGD.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    # Inputs for which some ReLU input is exactly 0 (so are most: 3 of the keys 0-3).
+    k = jax.random.split(jax.random.key(3), 2)
+    batch = {"pixel_values": jax.random.normal(k[0], (batch_size, 3, 16, 16)),
+             "labels": jax.random.randint(k[1], (batch_size,), 0, 10)}
+    return Case(train_step, (params, SGD.init(params), batch))
 
 
 # ---- (f) an optax chain with a schedule and a decay mask; bf16 mixed precision ----------
@@ -351,6 +442,8 @@ BUILDERS: dict[str, tuple[str, Callable[[], Case]]] = {
     "eqx_mlp": ("equinox", eqx_mlp),
     "hf_gpt2": ("transformers", hf_gpt2),
     "hf_bert": ("transformers", hf_bert),
+    "hf_resnet": ("transformers", hf_resnet),
+    "eqx_transformer": ("equinox", eqx_transformer),
     "optax_chain": ("flax.linen", optax_chain),
     "optax_chain_bf16": ("flax.linen", lambda: optax_chain(jnp.bfloat16)),
     "flax_scan_transformer": ("flax.linen", flax_scan_transformer),

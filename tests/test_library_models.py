@@ -1,11 +1,11 @@
 """Models written the way their libraries' own docs write them (flax.nnx split/merge,
-Equinox partition/combine, Hugging Face Flax GPT-2 and BERT from a config, an optax chain
-with a schedule and a decay mask, bf16 mixed precision, a Flax linen transformer whose
-blocks run under nn.scan(nn.remat(...)) with dropout on, a Flax BatchNorm CNN whose
-statistics come back through has_aux) run through alpa_lite under
-DataParallel, Auto, Manual(dp=2, tp=4) and a dp=4 x pp=2 pipeline, and equal the undecorated
-step under `jax.jit` after one step (issue "8 ·", point 5). The models live in
-examples/library_models.py."""
+Equinox partition/combine and a per-example Equinox transformer, Hugging Face Flax GPT-2,
+BERT and ResNet from a config, an optax chain with a schedule and a decay mask, bf16 mixed
+precision, a Flax linen transformer whose blocks run under nn.scan(nn.remat(...)) with
+dropout on, a Flax BatchNorm CNN whose statistics come back through has_aux) run through
+alpa_lite under DataParallel, Auto, Manual(dp=2, tp=4) and a dp=4 x pp=2 pipeline, and
+equal the undecorated step under `jax.jit` after one step (issue "8 ·", point 5). The
+models live in examples/library_models.py."""
 
 import functools
 
@@ -25,8 +25,8 @@ PLANS = {
     "dp4_pp2_m2": al.Manual(dp=4, pp=2, num_micro_batches=2),
 }
 
-MODELS = ["nnx_mlp", "eqx_mlp", "hf_gpt2", "hf_bert", "optax_chain", "flax_scan_transformer",
-          "flax_bn_cnn"]
+MODELS = ["nnx_mlp", "eqx_mlp", "eqx_transformer", "hf_gpt2", "hf_bert", "hf_resnet",
+          "optax_chain", "flax_scan_transformer", "flax_bn_cnn"]
 
 # Micro-batched plans refuse BatchNorm by name (a batch statistic is not a sum over
 # micro-batches); tests/test_flax_batchnorm.py checks the refusal.
