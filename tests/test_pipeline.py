@@ -249,6 +249,33 @@ def test_optimizer_with_global_norm_and_step_count_runs_across_stages():
         assert len(leaf.sharding.device_set) <= 4
 
 
+def test_one_update_operator_for_every_stage_runs_and_keeps_state_at_home():
+    """optax.MultiSteps (gradient accumulation in the optimizer) writes the whole update as
+    one `lax.cond`: one operator making new parameters and optimizer state for both
+    stages. It runs on one stage and its results go home, where the next step reads them."""
+    import gpt
+    cfg = gpt.CONFIGS["tiny"]
+    tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    params = gpt.init_params(cfg, jax.random.PRNGKey(0))
+    batch = gpt.make_batch(cfg, cfg.batch_size, jax.random.PRNGKey(1))
+    step_fn = gpt.make_train_step(cfg, tx)
+    ref, par = jax.jit(step_fn), al.parallelize(
+        step_fn, method=al.Manual(dp=4, pp=2, num_micro_batches=2))
+    a = b = (params, tx.init(params))
+    homes = None
+    for _ in range(3):      # an accumulating step, an applying one, an accumulating one
+        *a, loss_ref = ref(*a, batch)
+        *b, loss = par(*b, batch)
+        np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5)
+        where = [leaf.sharding for leaf in jax.tree_util.tree_leaves(b)]
+        assert homes is None or where == homes
+        homes = where
+    for x, y in zip(jax.tree_util.tree_leaves(b), jax.tree_util.tree_leaves(a)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    assert {len(s.device_set) for s in homes} == {4}
+    assert len({frozenset(s.device_set) for s in homes}) == 2
+
+
 def test_stage_tables_name_their_own_parameters():
     """Stages of identical structure share one intra-op solve; each table still names the
     parameters that stage holds."""

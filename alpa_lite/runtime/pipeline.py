@@ -292,7 +292,8 @@ class PipelineExecutable:
         self.segment_fns = []
         for s, nodes, ins, made in self.segments:
             outs = [t for t in sorted(made) if t in needed_later]
-            self.segment_fns.append((s, nodes, ins, outs, self._segment_fn(s, nodes, ins, outs)))
+            fn, away = self._segment_fn(s, nodes, ins, outs)
+            self.segment_fns.append((s, nodes, ins, outs, fn, away))
         self.batch_inputs = {t for t, b in zip(fwd.inputs, parts.batch_inputs) if b}
 
     def input_shardings(self, *args):
@@ -340,7 +341,16 @@ class PipelineExecutable:
         return tuple(out)
 
     def _segment_fn(self, s, nodes, ins, outs):
+        """The jitted operators of one segment on stage `s`, and the new values among its
+        results whose home is another stage's devices: {tensor: sharding at home}.
+
+        A new value of a step input (a parameter, optimizer state) is made at its input's
+        home sharding, where the next step reads it. One operator can make new values for
+        several stages (an optimizer update under one `lax.cond`, as optax.MultiSteps and
+        apply_if_finite write it): a program runs on one stage's devices only, so those
+        values are made there and moved home after it (`_run_segments`)."""
         outer = self.parts.outer
+        mesh_devices = set(self.stages[s].mesh.devices.flat)
         tied_out = {}
         for o, tie in zip(outer.graph.outputs, outer.graph.output_ties):
             if tie is not None:
@@ -351,13 +361,14 @@ class PipelineExecutable:
             replay(outer, nodes, env)
             return [env[t] for t in outs]
 
-        shardings = []
+        shardings, away = [], {}
         for t in outs:
-            if t in tied_out:
-                shardings.append(self.input_sharding[outer.graph.inputs[tied_out[t]]])
-            else:
-                shardings.append(None)
-        return jax.jit(run, out_shardings=shardings)
+            home = (self.input_sharding[outer.graph.inputs[tied_out[t]]]
+                    if t in tied_out else None)
+            if home is not None and set(home.device_set) != mesh_devices:
+                away[t], home = home, None
+            shardings.append(home)
+        return jax.jit(run, out_shardings=shardings), away
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -514,7 +525,7 @@ class PipelineExecutable:
     def _run_segments(self, segment_fns, env: dict) -> None:
         """Runs step operators outside the gradient call, each on its stage."""
         outer = self.parts.outer.graph
-        for s, nodes, ins, outs, fn in segment_fns:
+        for s, nodes, ins, outs, fn, away in segment_fns:
             st = self.stages[s]
             vals = []
             for t in ins:
@@ -525,7 +536,7 @@ class PipelineExecutable:
                     v = place(v, st.replicated())
                 vals.append(v)
             for t, v in zip(outs, fn(*vals)):
-                env[t] = v
+                env[t] = place(v, away[t]) if t in away else v
 
     def _output_spec(self, t: int) -> TensorSpec:
         st = self.stages[self.maker[t]]
