@@ -18,6 +18,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from alpa_lite import compression as C
 from alpa_lite.cost_models.cluster import Cluster
@@ -94,6 +95,7 @@ class ParallelizedStep:
 
     def trace(self, *args) -> TracedStep:
         """Traces the step for these arguments (arrays or ShapeDtypeStructs)."""
+        args = _numbers_as_arrays(args)
         key = self._signature(args)
         if key not in self._traces:
             self._traces[key] = trace(self.fn, args, self.resolve_batch_argnums(len(args)))
@@ -122,6 +124,7 @@ class ParallelizedStep:
     def parts(self, *args, num_micro_batches: int | None = None) -> StepParts:
         """The step split for pipelining (loss function per micro-batch, apply part), into
         `num_micro_batches` (default: the method's or the fixed plan's)."""
+        args = _numbers_as_arrays(args)
         m = num_micro_batches or self._micro_batches()
         key = (self._signature(args), m)
         if key not in self._parts:
@@ -137,7 +140,7 @@ class ParallelizedStep:
         else the local devices). Arguments may be `jax.ShapeDtypeStruct`s. `progress`, if
         given, hears of each planning phase (`alpa_lite.progress`)."""
         with fewer_collections():
-            return self._plan_for(args, cluster, progress)
+            return self._plan_for(_numbers_as_arrays(args), cluster, progress)
 
     def _plan_for(self, args, cluster: Cluster | None, progress: Progress | None) -> Plan:
         cluster = cluster or self.cluster or Cluster.local()
@@ -328,6 +331,7 @@ class ParallelizedStep:
         """Plans (once per signature) and compiles the step for these arguments on the
         local devices: the executable a call runs; `.collectives(*args)` lists what it
         executes, read from the compiled programs."""
+        args = _numbers_as_arrays(args)
         cluster = self.cluster or Cluster.local()
         # The local devices may be described as another grouping into nodes (e.g. to run
         # a two-node plan on one machine's devices), or by calibrated figures; a device
@@ -348,6 +352,7 @@ class ParallelizedStep:
 
     def program(self, plan: Plan, *args) -> StepProgram:
         """What the runtime needs of this step to run `plan` on these arguments."""
+        args = _numbers_as_arrays(args)
         nums = self.resolve_batch_argnums(len(args))
         common = dict(fn=self.fn, batch_argnums=nums, on_nonfinite=self.on_nonfinite,
                       compression_seed=self.compression_seed)
@@ -361,6 +366,7 @@ class ParallelizedStep:
         shaped like `args` (arrays or `jax.ShapeDtypeStruct`s), e.g. to load a checkpoint
         straight onto the devices that need it. Plans and builds the executable as the
         first call would, but compiles and runs nothing."""
+        args = _numbers_as_arrays(args)
         return self.compile(*args).input_shardings(*args)
 
     def with_method(self, method: Method) -> "ParallelizedStep":
@@ -383,6 +389,7 @@ class ParallelizedStep:
                                 self.compression, self.on_nonfinite, self.compression_seed)
 
     def __call__(self, *args):
+        args = _numbers_as_arrays(args)
         exe = self.compile(*args)
         if isinstance(exe, CompressedExecutable):
             self._last_compressed = exe
@@ -432,6 +439,16 @@ class ParallelizedStep:
         for exe in self._executables.values():
             if isinstance(exe, CompressedExecutable):
                 exe.reset_state(seed)
+
+
+def _numbers_as_arrays(args: tuple) -> tuple:
+    """`args` with each Python number leaf (flax's `TrainState.create` starts `step` at the
+    int 0) made the array `jax.jit` would make of it (weakly typed, e.g. int32): the
+    runtimes take arrays, and the next step's array of the same value then has the same
+    signature, so the step is not planned and compiled twice."""
+    def array(x):
+        return jnp.asarray(x) if isinstance(x, (bool, int, float, complex)) else x
+    return jax.tree_util.tree_map(array, args)
 
 
 def parallelize(fn: Callable | None = None, *, method: Method | None = None,

@@ -10,6 +10,7 @@ models live in examples/library_models.py."""
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -146,3 +147,49 @@ def test_hf_gpt2_with_dropout_in_a_pipeline_matches_jit():
     np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_flax_train_state_runs_under_every_plan_kind_and_plans_once():
+    """Flax's TrainState, as its docs write the step: `state.apply_gradients(grads=...)`.
+    `TrainState.create` starts `step` at the Python int 0 (an argument leaf that is no
+    array); after a step it is an int32 array, and the step is not planned again."""
+    pytest.importorskip("flax.linen")
+    import flax.linen as nn
+    from flax.training import train_state
+
+    from alpa_lite import compression as C
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(nn.relu(nn.Dense(64)(x)))
+
+    model, tx = MLP(), optax.adam(1e-3)
+    k = jax.random.split(jax.random.key(0), 3)
+    batch = {"x": jax.random.normal(k[0], (16, 16)), "y": jax.random.normal(k[1], (16, 8))}
+    params = jax.jit(model.init)(k[2], batch["x"])["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    assert state.step == 0 and isinstance(state.step, int)
+
+    def loss_fn(params, x, y):
+        return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
+
+    def train_step(state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(state.params, batch["x"], batch["y"])
+        return state.apply_gradients(grads=grads), loss
+
+    ref = [jax.jit(train_step)(state, batch)]
+    ref.append(jax.jit(train_step)(ref[0][0], batch))
+    for kind in [dict(method=al.DataParallel()), dict(method=al.Auto(pipeline=False)),
+                 dict(method=al.Manual(dp=2, tp=4)),
+                 dict(method=al.Manual(dp=4, pp=2, num_micro_batches=2)),
+                 dict(method=al.DataParallel(), compression=C.Dense())]:
+        step = al.parallelize(train_step, **kind)
+        s = state
+        for want in ref:
+            s, loss = step(s, batch)
+            np.testing.assert_allclose(loss, want[1], rtol=1e-5)
+            assert int(s.step) == int(want[0].step)
+            for a, b in zip(jax.tree.leaves(s.params), jax.tree.leaves(want[0].params)):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert len(step.built_plans) == 1, kind
