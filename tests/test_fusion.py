@@ -137,3 +137,35 @@ def test_fusion_never_charges_more_than_per_equation():
     # Kernels: the matmul is not counted; the two reductions each end a fusion, so at
     # least three element-wise kernels (mean, variance, normalise + gelu side).
     assert 3 <= r.num_kernels < len(g.nodes) - 1
+
+
+def test_a_call_kept_for_its_derivative_rule_fuses_as_its_body():
+    # A pipeline's pieces keep jax.nn.relu's custom_jvp call whole (for its derivative at
+    # 0); XLA compiles its body, max(x, 0), inlined: one fusion with its neighbours, the
+    # same traffic and kernels as the inlined trace. A custom_jvp around a reduction
+    # (logsumexp's kind of body) stays its own kernel.
+    from alpa_lite.ir.graph import Role
+    from alpa_lite.ir.tracing import trace_flat
+
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+
+    def flat(fn):
+        g = trace_flat(lambda v: (fn(v),), [x], [Role.BATCH], ["x"]).graph
+        return g, fuse(g)
+
+    fn = lambda v: jax.nn.relu(v * 2.0 + 1.0) * 3.0       # noqa: E731
+    kept, r_kept = flat(fn)
+    assert "custom_jvp_call" in _prims(kept)
+    inlined, r_inlined = _graph(fn, np.ones((4, 8), np.float32))
+    assert "custom_jvp_call" not in _prims(inlined)
+    assert len(set(r_kept.group)) == 1
+    assert r_kept.num_kernels == r_inlined.num_kernels == 1
+    assert sum(r_kept.bytes_accessed) == sum(r_inlined.bytes_accessed) == 2 * 32 * 4
+
+    @jax.custom_jvp
+    def total(v):
+        return jnp.sum(v, axis=-1, keepdims=True)
+    total.defjvp(lambda p, t: (total(p[0]), total(t[0])))
+    summed, r_summed = flat(lambda v: total(v * 2.0) + 1.0)
+    call = next(n for n in summed.nodes if n.primitive == "custom_jvp_call")
+    assert r_summed.group[call.id] == call.id

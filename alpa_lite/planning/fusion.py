@@ -55,6 +55,7 @@ import dataclasses
 import weakref
 
 from alpa_lite.ir.graph import Node, OpGraph
+from alpa_lite.ir.op_rules import CUSTOM_DERIVATIVES
 from alpa_lite.plan.sharding import itemsize
 
 __all__ = ["DUPLICABLE", "STANDALONE", "FusionResult", "fuse", "is_standalone"]
@@ -111,15 +112,61 @@ def _nbytes(graph: OpGraph, tid: int) -> float:
     return float(t.size * itemsize(t.dtype))
 
 
+_BODY_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _body_primitives(node: Node) -> frozenset[str] | None:
+    """The primitives a call kept whole only for its derivative rule (`jax.nn.relu`'s
+    custom_jvp in a pipeline's pieces) runs, through the jit calls nested in it; None for
+    any other node. XLA compiles the body inlined, so such a call fuses as its body
+    does."""
+    if node.primitive not in CUSTOM_DERIVATIVES:
+        return None
+    body = next((node.params[k] for k in _BODY_KEYS if k in node.params), None)
+    return None if body is None else _primitives_of(body)
+
+
+_PRIMITIVES_OF: dict[int, tuple[object, frozenset[str]]] = {}
+
+
+def _primitives_of(jaxpr) -> frozenset[str]:
+    # Keyed by the jaxpr object (JAX traces one body per function and shapes; a model's
+    # hundred ReLUs share a few), which the entry keeps alive so the id stays its own.
+    hit = _PRIMITIVES_OF.get(id(jaxpr))
+    if hit is not None and hit[0] is jaxpr:
+        return hit[1]
+    found: set[str] = set()
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        inner = next((eqn.params[k] for k in _BODY_KEYS if k in eqn.params), None)
+        if eqn.primitive.name in ("jit", "pjit", "closed_call", "core_call") and inner is not None:
+            found |= _primitives_of(inner)
+        else:
+            found.add(eqn.primitive.name)
+            if any(k in eqn.params for k in _BODY_KEYS + ("branches", "cond_jaxpr")):
+                found.add("<sub-program>")
+    result = frozenset(found)
+    _PRIMITIVES_OF[id(jaxpr)] = (jaxpr, result)
+    return result
+
+
 def is_standalone(node: Node) -> bool:
-    # A primitive with a sub-program (a call tracing left in place) is its own kernel(s).
-    return node.primitive in STANDALONE or any(k in node.params for k in
-                                                ("jaxpr", "call_jaxpr", "fun_jaxpr"))
+    # A primitive with a sub-program (a call tracing left in place) is its own kernel(s),
+    # unless it is a call kept for its derivative rule around element-wise work only.
+    if node.primitive in STANDALONE:
+        return True
+    if not any(k in node.params for k in _BODY_KEYS):
+        return False
+    body = _body_primitives(node)
+    return body is None or not body or "<sub-program>" in body or bool(
+        body & (STANDALONE | _REDUCTIONS))
 
 
 def _is_cheap(node: Node) -> bool:
     """Cheap to re-compute in a consumer's fusion: element-wise-like, not expensive, not a
     reduction (whose result needs all of its input)."""
+    if node.primitive in CUSTOM_DERIVATIVES:
+        body = _body_primitives(node)
+        return bool(body) and not body & (_EXPENSIVE | _REDUCTIONS) and not is_standalone(node)
     return (node.primitive not in _EXPENSIVE and node.primitive not in _REDUCTIONS
             and not is_standalone(node))
 

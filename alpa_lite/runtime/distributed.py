@@ -184,13 +184,13 @@ def _moved(x: jax.Array, sharding: Any) -> jax.Array:
     if jax.process_count() == 1:
         return jax.device_put(x, sharding)
     if x.sharding.device_set == sharding.device_set:
-        return _replicate(x, sharding)
+        return _relaid(x, sharding)
     src = x.sharding
     if (isinstance(src, jax.sharding.NamedSharding)
             and isinstance(sharding, jax.sharding.NamedSharding)
             and src.mesh.shape_tuple == sharding.mesh.shape_tuple):
         copied = jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh, src.spec))
-        return copied if copied.sharding == sharding else _replicate(copied, sharding)
+        return copied if copied.sharding == sharding else _relaid(copied, sharding)
     return jax.device_put(x, sharding)
 
 
@@ -273,7 +273,7 @@ def on_every_process(v: Any) -> Any:
     if layout is None:
         return v
     own, targets, joined = layout
-    v = _replicate(v, own)
+    v = _relaid(v, own)
     pieces = [v] + [jax.device_put(v, t) for t in targets]
     mine = [shard.data for piece in pieces for shard in piece.addressable_shards]
     return jax.make_array_from_single_device_arrays(v.shape, joined, mine)
@@ -312,12 +312,13 @@ def _identity(x):
 
 
 def _replicated_on_own_devices(v: jax.Array) -> jax.Array:
-    return _replicate(v, _replicated(_device_list(v)))
+    return _relaid(v, _replicated(_device_list(v)))
 
 
-def _replicate(v: jax.Array, sharding) -> jax.Array:
-    # Runs on the processes holding `v` only; the others take part in name. One module-level
-    # function, so JAX's caches compile each (shape, sharding) once, not once per call.
+def _relaid(v: jax.Array, sharding) -> jax.Array:
+    # `v` laid out as `sharding` (on the same devices). Runs on the processes holding `v`
+    # only; the others take part in name. One module-level function, so JAX's caches
+    # compile each (shape, sharding) once, not once per call.
     return jax.jit(_identity, out_shardings=sharding)(v)
 
 
