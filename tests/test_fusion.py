@@ -153,7 +153,9 @@ def test_a_call_kept_for_its_derivative_rule_fuses_as_its_body():
         g = trace_flat(lambda v: (fn(v),), [x], [Role.BATCH], ["x"]).graph
         return g, fuse(g)
 
-    fn = lambda v: jax.nn.relu(v * 2.0 + 1.0) * 3.0       # noqa: E731
+    def fn(v):
+        return jax.nn.relu(v * 2.0 + 1.0) * 3.0
+
     kept, r_kept = flat(fn)
     assert "custom_jvp_call" in _prims(kept)
     inlined, r_inlined = _graph(fn, np.ones((4, 8), np.float32))
@@ -165,6 +167,7 @@ def test_a_call_kept_for_its_derivative_rule_fuses_as_its_body():
     @jax.custom_jvp
     def total(v):
         return jnp.sum(v, axis=-1, keepdims=True)
+
     total.defjvp(lambda p, t: (total(p[0]), total(t[0])))
     summed, r_summed = flat(lambda v: total(v * 2.0) + 1.0)
     call = next(n for n in summed.nodes if n.primitive == "custom_jvp_call")

@@ -176,6 +176,7 @@ def test_pipelines_keep_custom_jvp_rules():
     ref = jax.jit(_relu_at_zero_step)(*args)
     # The rule matters here: the bias's gradient differs where relu's input is 0.
     g_rule = jax.grad(_relu_at_zero_loss)(p, args[2])["b"]
+
     def with_max(p, x):
         h = jnp.maximum(jnp.round(x @ p["w1"]) + p["b"], 0.0)
         return jnp.mean((h @ p["w2"]) ** 2)
