@@ -136,21 +136,28 @@ def _ste_loss(p, x):
     return jnp.mean((h @ p["w2"]) ** 2)
 
 
-def _ste_step(p, s, x):
-    loss, g = al.value_and_grad(_ste_loss)(p, x)
-    u, s = TX.update(g, s, p)
-    return optax.apply_updates(p, u), s, loss
+def _step_of(loss_fn):
+    def step(p, s, x):
+        loss, g = al.value_and_grad(loss_fn)(p, x)
+        u, s = TX.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+    return step
+
+
+def _assert_pipelines_match_jit(step, args, micro_batch_counts, rtol, atol):
+    ref = jax.jit(step)(*args)
+    for m in micro_batch_counts:
+        out = al.parallelize(step, method=al.Manual(dp=4, pp=2, num_micro_batches=m))(*args)
+        np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
 
 
 def test_pipelines_keep_custom_vjp_rules():
     k = jax.random.split(jax.random.key(3), 3)
     p = {"w1": jax.random.normal(k[0], (16, 32)), "w2": jax.random.normal(k[1], (32, 8))}
     args = (p, TX.init(p), jax.random.normal(k[2], (16, 16)))
-    ref = jax.jit(_ste_step)(*args)
-    out = al.parallelize(_ste_step, method=al.Manual(dp=4, pp=2, num_micro_batches=2))(*args)
-    np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    _assert_pipelines_match_jit(_step_of(_ste_loss), args, (2,), rtol=1e-4, atol=1e-6)
 
 
 def _relu_at_zero_loss(p, x):
@@ -162,29 +169,18 @@ def _relu_at_zero_loss(p, x):
     return jnp.mean((h @ p["w2"]) ** 2)
 
 
-def _relu_at_zero_step(p, s, x):
-    loss, g = al.value_and_grad(_relu_at_zero_loss)(p, x)
-    u, s = TX.update(g, s, p)
-    return optax.apply_updates(p, u), s, loss
-
-
 def test_pipelines_keep_custom_jvp_rules():
     k = jax.random.split(jax.random.key(4), 3)
     p = {"w1": jax.random.normal(k[0], (16, 32)), "b": jnp.zeros(32),
          "w2": jax.random.normal(k[1], (32, 8))}
-    args = (p, TX.init(p), jax.random.normal(k[2], (16, 16)))
-    ref = jax.jit(_relu_at_zero_step)(*args)
+    x = jax.random.normal(k[2], (16, 16))
     # The rule matters here: the bias's gradient differs where relu's input is 0.
-    g_rule = jax.grad(_relu_at_zero_loss)(p, args[2])["b"]
+    g_rule = jax.grad(_relu_at_zero_loss)(p, x)["b"]
 
     def with_max(p, x):
         h = jnp.maximum(jnp.round(x @ p["w1"]) + p["b"], 0.0)
         return jnp.mean((h @ p["w2"]) ** 2)
 
-    assert not np.allclose(g_rule, jax.grad(with_max)(p, args[2])["b"])
-    for method in (al.Manual(dp=4, pp=2, num_micro_batches=2),
-                   al.Manual(dp=4, pp=2, num_micro_batches=1)):
-        out = al.parallelize(_relu_at_zero_step, method=method)(*args)
-        np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
-        for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(g_rule, jax.grad(with_max)(p, x)["b"])
+    _assert_pipelines_match_jit(_step_of(_relu_at_zero_loss), (p, TX.init(p), x), (2, 1),
+                                rtol=1e-5, atol=1e-7)
