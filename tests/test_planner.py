@@ -231,3 +231,21 @@ def test_roles_are_marked():
     assert roles["params/w1"] is Role.PARAM and roles["batch/x"] is Role.BATCH
     assert sum(r is Role.GRAD for r in roles.values()) == 2
     assert graph.output_ties[:2] == (0, 1)   # new params feed the next step's params
+
+
+def test_repeated_layers_keep_equal_keys_around_calls_kept_for_their_rules():
+    """A pipeline's pieces keep each jax.nn.relu whole (its custom_jvp rule); every layer
+    traces its own jaxpr object for the same body. Keyed by content, the layers' calls
+    still share strategies, and with them one ILP choice per repeated layer."""
+    from alpa_lite.ir.tracing import trace_flat
+    from alpa_lite.planning.strategies import structural_keys
+
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    g = trace_flat(lambda x, a, b: (jax.nn.relu(jax.nn.relu(x @ a) @ b),), [x, w, w],
+                   [Role.BATCH, Role.PARAM, Role.PARAM], ["x", "a", "b"]).graph
+    calls = [n for n in g.nodes if n.primitive == "custom_jvp_call"]
+    assert len(calls) == 2
+    assert calls[0].params["call_jaxpr"] is not calls[1].params["call_jaxpr"]
+    keys = structural_keys(g)
+    assert keys[calls[0].id] == keys[calls[1].id]

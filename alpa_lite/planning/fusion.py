@@ -127,11 +127,11 @@ def _body_primitives(node: Node) -> frozenset[str] | None:
 
 
 _PRIMITIVES_OF: dict[int, tuple[object, frozenset[str]]] = {}
+_PRIMITIVES_OF_LIMIT = 4096
 
 
 def _primitives_of(jaxpr) -> frozenset[str]:
-    # Keyed by the jaxpr object (JAX traces one body per function and shapes; a model's
-    # hundred ReLUs share a few), which the entry keeps alive so the id stays its own.
+    # Keyed by the jaxpr object, which the entry keeps alive so the id stays its own.
     hit = _PRIMITIVES_OF.get(id(jaxpr))
     if hit is not None and hit[0] is jaxpr:
         return hit[1]
@@ -145,6 +145,8 @@ def _primitives_of(jaxpr) -> frozenset[str]:
             if any(k in eqn.params for k in _BODY_KEYS + ("branches", "cond_jaxpr")):
                 found.add("<sub-program>")
     result = frozenset(found)
+    if len(_PRIMITIVES_OF) >= _PRIMITIVES_OF_LIMIT:     # a long-lived process plans many steps
+        _PRIMITIVES_OF.clear()
     _PRIMITIVES_OF[id(jaxpr)] = (jaxpr, result)
     return result
 
