@@ -232,6 +232,19 @@ def test_hybrid_refusals_name_the_problem():
                        compression=C.DelayedAveraging(delay=2)).plan(*args)
 
 
+def test_a_refusal_for_replicas_of_one_example_says_so():
+    """An Equinox transformer's per-example trace at one example differs from its trace
+    at several (JAX treats size-1 dimensions specially): a compressed dp=4 pipeline with
+    micro-batches of 4 cannot run each replica's backward on its own example, and the
+    refusal says what each replica would get and what to change."""
+    pytest.importorskip("equinox")
+    case = lm.eqx_transformer(batch_size=8)
+    with pytest.raises(PlanningError, match="each of its 4 replicas would compute 1 of a "
+                       "micro-batch's 4 examples.*fewer micro-batches or fewer data-parallel"):
+        al.parallelize(case.step, method=al.Manual(dp=4, pp=2, num_micro_batches=2),
+                       compression=C.Dense()).plan(*case.args)
+
+
 
 def test_hybrid_layouts_of_auto_compression():
     """The layouts Auto + AutoCompression weighs: dp > 1 beside tp or pp, each with a

@@ -219,13 +219,21 @@ def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
         except PlanningError as e:
             why = str(e)
     if exchange is not None and (why is not None or not axes):
-        raise PlanningError(
-            f"stage {index}: gradient compression exchanges the gradients each "
-            f"data-parallel replica accumulates, and "
-            + (f"this stage's backward cannot run per replica: {why}" if axes else
-               "no mesh axis of this stage splits the batch (there is no data parallelism "
-               "to compress)")
-            + "; plan without compression, or with a layout whose dp is > 1")
+        if axes:
+            replicas = math.prod(mesh.axis_size(a) for a in axes)
+            g = parts.forward.graph
+            rows = next((g.tensors[t].shape[0] for t, b in zip(g.inputs, parts.batch_inputs)
+                         if b and g.tensors[t].shape), 0)
+            detail = (f"this stage's backward cannot run per replica (each of its {replicas} "
+                      f"replicas would compute {rows // replicas} of a micro-batch's {rows} "
+                      f"examples): {why}; plan without compression, or with fewer "
+                      "micro-batches or fewer data-parallel replicas")
+        else:
+            detail = ("no mesh axis of this stage splits the batch (there is no data "
+                      "parallelism to compress); plan without compression, or with a "
+                      "layout whose dp is > 1")
+        raise PlanningError(f"stage {index}: gradient compression exchanges the gradients "
+                            f"each data-parallel replica accumulates, and {detail}")
     if why is not None:
         # The backward reduces each gradient itself (where the plan says), once per
         # micro-batch; that time is inside the stage's backward estimate.
