@@ -158,7 +158,7 @@ def eqx_transformer(batch_size: int = 8) -> Case:
     return Case(train_step, (params, SGD.init(params), batch))
 
 
-# ---- (e) Hugging Face transformers Flax GPT-2, BERT and ResNet, from a config ------------
+# ---- (e) Hugging Face transformers Flax GPT-2, BERT, Llama, ViT and ResNet, from a config -
 
 # A vocabulary of 2048: the token embedding, tied to the output layer, is then the largest
 # weight, as in the real models.
@@ -245,6 +245,32 @@ def hf_full_size(kind: str, batch_size: int, seq: int, tx=None) -> Case:
     return Case(_hf_train_step(model, tx), (params, opt_state, batch))
 
 
+def hf_llama(batch_size: int = 8) -> Case:
+    """A tiny Hugging Face Flax Llama: rotary positions, RMSNorm, SwiGLU, grouped-query
+    attention (4 query heads sharing 2 key/value heads)."""
+    from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32)
+    model, params = hf_model(FlaxLlamaForCausalLM, config)
+    return Case(_hf_train_step(model, SGD),
+                (params, SGD.init(params), token_batch(batch_size)))
+
+
+def hf_vit(batch_size: int = 8) -> Case:
+    """A tiny Hugging Face Flax ViT classifier: patch embedding (a strided convolution),
+    a class token, pre-norm encoder blocks."""
+    from transformers import FlaxViTForImageClassification, ViTConfig
+
+    config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
+                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                       num_labels=10)
+    model, params = hf_model(FlaxViTForImageClassification, config)
+    return Case(_hf_image_train_step(model, SGD),
+                (params, SGD.init(params), image_batch(batch_size, key=1)))
+
+
 def hf_resnet(batch_size: int = 8) -> Case:
     """A Hugging Face Flax ResNet (BatchNorm in inference mode: `train=False`, its running
     statistics among the parameters). At initialisation (BatchNorm's bias 0) ReLU meets
@@ -255,6 +281,21 @@ def hf_resnet(batch_size: int = 8) -> Case:
     config = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
                           depths=[1, 1], num_labels=10)
     model, params = hf_model(FlaxResNetForImageClassification, config)
+    # Inputs for which some ReLU input is exactly 0 (so are most: 3 of the keys 0-3).
+    return Case(_hf_image_train_step(model, SGD),
+                (params, SGD.init(params), image_batch(batch_size, key=3)))
+
+
+def image_batch(batch_size: int, key: int):
+    """Images (NCHW, as Hugging Face's Flax vision models take them) and class labels."""
+    k = jax.random.split(jax.random.key(key), 2)
+    return {"pixel_values": jax.random.normal(k[0], (batch_size, 3, 16, 16)),
+            "labels": jax.random.randint(k[1], (batch_size,), 0, 10)}
+
+
+def _hf_image_train_step(model, tx):
+    """The train step of a Hugging Face Flax image classifier: cross-entropy on its
+    logits (inference mode: no dropout, BatchNorm's running statistics)."""
 
     def loss_fn(params, pixel_values, labels):
         logits = model(pixel_values, params=params, train=False).logits
@@ -263,14 +304,10 @@ def hf_resnet(batch_size: int = 8) -> Case:
     def train_step(params, opt_state, batch):
         loss, grads = al.value_and_grad(loss_fn)(params, batch["pixel_values"],
                                                  batch["labels"])
-        updates, opt_state = SGD.update(grads, opt_state, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    # Inputs for which some ReLU input is exactly 0 (so are most: 3 of the keys 0-3).
-    k = jax.random.split(jax.random.key(3), 2)
-    batch = {"pixel_values": jax.random.normal(k[0], (batch_size, 3, 16, 16)),
-             "labels": jax.random.randint(k[1], (batch_size,), 0, 10)}
-    return Case(train_step, (params, SGD.init(params), batch))
+    return train_step
 
 
 # ---- (f) an optax chain with a schedule and a decay mask; bf16 mixed precision ----------
@@ -443,6 +480,8 @@ BUILDERS: dict[str, tuple[str, Callable[[], Case]]] = {
     "hf_gpt2": ("transformers", hf_gpt2),
     "hf_bert": ("transformers", hf_bert),
     "hf_resnet": ("transformers", hf_resnet),
+    "hf_llama": ("transformers", hf_llama),
+    "hf_vit": ("transformers", hf_vit),
     "eqx_transformer": ("equinox", eqx_transformer),
     "optax_chain": ("flax.linen", optax_chain),
     "optax_chain_bf16": ("flax.linen", lambda: optax_chain(jnp.bfloat16)),
