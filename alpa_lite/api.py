@@ -331,7 +331,10 @@ class ParallelizedStep:
         """Plans (once per signature) and compiles the step for these arguments on the
         local devices: the executable a call runs; `.collectives(*args)` lists what it
         executes, read from the compiled programs."""
-        args = _numbers_as_arrays(args)
+        return self._compiled(_numbers_as_arrays(args))
+
+    def _compiled(self, args: tuple) -> Executable:
+        # `compile` for arguments already made arrays (a call converts them once).
         cluster = self.cluster or Cluster.local()
         # The local devices may be described as another grouping into nodes (e.g. to run
         # a two-node plan on one machine's devices), or by calibrated figures; a device
@@ -367,7 +370,7 @@ class ParallelizedStep:
         straight onto the devices that need it. Plans and builds the executable as the
         first call would, but compiles and runs nothing."""
         args = _numbers_as_arrays(args)
-        return self.compile(*args).input_shardings(*args)
+        return self._compiled(args).input_shardings(*args)
 
     def with_method(self, method: Method) -> "ParallelizedStep":
         """The same step with another method, sharing this step's traces (tracing a large
@@ -390,7 +393,7 @@ class ParallelizedStep:
 
     def __call__(self, *args):
         args = _numbers_as_arrays(args)
-        exe = self.compile(*args)
+        exe = self._compiled(args)
         if isinstance(exe, CompressedExecutable):
             self._last_compressed = exe
         return exe(*args)
@@ -445,10 +448,14 @@ def _numbers_as_arrays(args: tuple) -> tuple:
     """`args` with each Python number leaf (flax's `TrainState.create` starts `step` at the
     int 0) made the array `jax.jit` would make of it (weakly typed, e.g. int32): the
     runtimes take arrays, and the next step's array of the same value then has the same
-    signature, so the step is not planned and compiled twice."""
-    def array(x):
-        return jnp.asarray(x) if isinstance(x, (bool, int, float, complex)) else x
-    return jax.tree_util.tree_map(array, args)
+    signature, so the step is not planned and compiled twice. `args` itself, unrebuilt,
+    where there is none (every call of a step passes through here)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    numbers = (bool, int, float, complex)
+    if not any(isinstance(x, numbers) for x in leaves):
+        return args
+    return jax.tree_util.tree_unflatten(
+        treedef, [jnp.asarray(x) if isinstance(x, numbers) else x for x in leaves])
 
 
 def parallelize(fn: Callable | None = None, *, method: Method | None = None,

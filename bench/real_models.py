@@ -30,8 +30,8 @@ Part 2, planned only (nothing allocated, no device needed): Hugging Face Flax GP
 AdamW state by `jax.eval_shape(tx.init, params)`, the batch `jax.ShapeDtypeStruct`s, under
 DataParallel, Auto (one SPMD stage, `Auto(pipeline=False)`), Manual(dp=2, tp=4),
 Manual(dp=4, pp=2, num_micro_batches=4) and plain `Auto()` (pipelines and micro-batch
-counts weighed as well) for 8xH100: estimated step time and its ratio to DataParallel, per-device memory estimate,
-fraction of parameter bytes sharded (read from the plan's input specs: a mesh axis of
+counts weighed as well) for 8xH100: estimated step time and its ratio to DataParallel,
+per-device memory estimate, fraction of parameter bytes sharded (read from the plan's input specs: a mesh axis of
 more than one device splits the leaf), planning time.
 
     python bench/real_models.py [--quick]

@@ -6,6 +6,8 @@ import importlib
 import jax
 import optax
 
+import alpa_lite as al
+
 STEPS = 5
 
 
@@ -18,6 +20,17 @@ def example_step(example: str):
     params = mod.init_params(cfg, jax.random.PRNGKey(0))
     batch = mod.make_batch(cfg, cfg.batch_size, jax.random.PRNGKey(1))
     return mod.make_train_step(cfg, tx), (params, tx.init(params), batch)
+
+
+def step_of(loss_fn, tx):
+    """The plain train step `(params, opt_state, batch) -> (params, opt_state, loss)` of
+    `loss_fn(params, batch)` under the optax transformation `tx`."""
+    # The argument names name the plan's tensors (params/..., opt_state/..., batch/...).
+    def step(params, opt_state, batch):
+        loss, grads = al.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return step
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _reference import step_of  # tests/_reference.py
 
 import alpa_lite as al
 from alpa_lite.ir.op_rules import dim_labels
@@ -79,14 +80,6 @@ def _run_on_cpu(step, step_fn, args, plan, atol=1e-5):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=atol)
     return exe
-
-
-def _make_step(loss_fn, tx):
-    def step(params, opt_state, batch):
-        loss, grads = al.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-    return step
 
 
 def _normal(key, shape, scale=1.0):
@@ -149,7 +142,7 @@ _GRADS_EACH_PAY_LATENCY = pytest.mark.xfail(strict=True, reason=(
 def test_mlp_data_parallel_is_one_gradient_all_reduce(device, mesh_shape):
     cluster, tx = CLUSTERS[device], optax.adam(1e-2)
     args = _concrete_or_abstract(lambda: _mlp_args(**DP_SIZES[device], tx=tx), cluster)
-    step_fn = _make_step(_mlp_loss, tx)
+    step_fn = step_of(_mlp_loss, tx)
     step, plan = _plan(step_fn, args, al.Auto(mesh_shapes=(mesh_shape,)), cluster)
     st, axis = plan.stages[0], _axis(mesh_shape)
     assert str(st.sharding_of("batch/x")) == _split(2, 0, axis)
@@ -172,7 +165,7 @@ def test_mlp_model_parallel_is_megatron(device, mesh_shape):
     cluster, tx = CLUSTERS[device], optax.adam(1e-2)
     sizes = MP_SIZES[device]
     args = _concrete_or_abstract(lambda: _mlp_args(**sizes, tx=tx), cluster)
-    step_fn = _make_step(_mlp_loss, tx)
+    step_fn = step_of(_mlp_loss, tx)
     step, plan = _plan(step_fn, args, al.Auto(mesh_shapes=(mesh_shape,)), cluster)
     st, axis = plan.stages[0], _axis(mesh_shape)
     for i in range(NUM_LAYERS):     # column, row, column, ...
@@ -197,7 +190,7 @@ def test_mlp_2d_mesh_on_cpu_is_data_parallel():
     # parallelism over both axes is cheaper, and it is what the plan says and runs.
     tx = optax.adam(1e-2)
     args = _mlp_args(**DP_SIZES["cpu"], tx=tx)
-    step_fn = _make_step(_mlp_loss, tx)
+    step_fn = step_of(_mlp_loss, tx)
     step, plan = _plan(step_fn, args, al.Auto(mesh_shapes=((2, 2),)), CPU4)
     st = plan.stages[0]
     assert str(st.sharding_of("batch/x")) == "[(x,y),-]"
@@ -226,7 +219,7 @@ _NO_SPLIT_RESULT_ON_CPU = pytest.mark.xfail(strict=True, reason=(
 def test_zero_is_reduce_scatter_and_all_gather(device, method):
     cluster, tx = CLUSTERS[device], optax.adam(1e-2)
     args = _concrete_or_abstract(lambda: _mlp_args(**DP_SIZES[device], tx=tx), cluster)
-    step_fn = _make_step(_mlp_loss, tx)
+    step_fn = step_of(_mlp_loss, tx)
     step, plan = _plan(step_fn, args, method, cluster)
     st = plan.stages[0]
     hidden = DP_SIZES[device]["hidden"]
@@ -297,7 +290,7 @@ def test_attention_layers_are_megatron(device):
     cluster, tx = CLUSTERS[device], optax.sgd(1e-2)
     sizes = ATTN_SIZES[device]
     args = _concrete_or_abstract(lambda: _attn_args(**sizes, tx=tx), cluster)
-    step_fn = _make_step(_attn_loss_fn(sizes["heads"]), tx)
+    step_fn = step_of(_attn_loss_fn(sizes["heads"]), tx)
     step, plan = _plan(step_fn, args, al.Auto(mesh_shapes=((1, 4),)), cluster)
     st = plan.stages[0]
     for i in range(ATTN_LAYERS):
@@ -348,7 +341,7 @@ def _moe_loss(params, batch):
 def test_moe_experts_split_on_the_expert_axis(device):
     cluster, tx = CLUSTERS[device], optax.sgd(1e-2)
     args = _concrete_or_abstract(lambda: _moe_args(**MOE_SIZES[device], tx=tx), cluster)
-    step_fn = _make_step(_moe_loss, tx)
+    step_fn = step_of(_moe_loss, tx)
     step, plan = _plan(step_fn, args, al.Auto(mesh_shapes=((1, 4),)), cluster)
     st = plan.stages[0]
     assert str(st.sharding_of("params/wi")) == "[y,-,-]"
@@ -403,7 +396,7 @@ def test_grouped_convolutions_split_on_channel_groups(device, kind):
     sizes = CONV_SIZES[device]
     groups = 8 * sizes["channel"] if kind == "depthwise" else 8
     args = _concrete_or_abstract(lambda: _conv_args(**sizes, tx=tx, groups=groups), cluster)
-    step_fn = _make_step(_conv_loss_fn(groups), tx)
+    step_fn = step_of(_conv_loss_fn(groups), tx)
     step, plan = _plan(step_fn, args, al.Auto(mesh_shapes=((1, 4),)), cluster)
     st = plan.stages[0]
     assert not plan.unsharded_primitives
@@ -485,7 +478,7 @@ _VOCAB_LOOKUP = pytest.mark.xfail(strict=True, reason=(
 def test_tied_embedding_has_no_all_to_all(device, mesh_shape):
     cluster, tx = CLUSTERS[device], optax.adam(1e-2)
     args = _concrete_or_abstract(lambda: _embed_args(**EMBED_SIZES[device], tx=tx), cluster)
-    step_fn = _make_step(_embed_loss, tx)
+    step_fn = step_of(_embed_loss, tx)
     step, plan = _plan(step_fn, args, al.Auto(mesh_shapes=(mesh_shape,)), cluster)
     assert "all-to-all" not in _by_kind(plan.collectives())
     if device == "cpu":

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _reference import step_of  # tests/_reference.py
 
 import alpa_lite as al
 from alpa_lite.errors import PlanningError
@@ -136,14 +137,6 @@ def _ste_loss(p, x):
     return jnp.mean((h @ p["w2"]) ** 2)
 
 
-def _step_of(loss_fn):
-    def step(p, s, x):
-        loss, g = al.value_and_grad(loss_fn)(p, x)
-        u, s = TX.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-    return step
-
-
 def _assert_pipelines_match_jit(step, args, micro_batch_counts, rtol, atol):
     ref = jax.jit(step)(*args)
     for m in micro_batch_counts:
@@ -157,7 +150,7 @@ def test_pipelines_keep_custom_vjp_rules():
     k = jax.random.split(jax.random.key(3), 3)
     p = {"w1": jax.random.normal(k[0], (16, 32)), "w2": jax.random.normal(k[1], (32, 8))}
     args = (p, TX.init(p), jax.random.normal(k[2], (16, 16)))
-    _assert_pipelines_match_jit(_step_of(_ste_loss), args, (2,), rtol=1e-4, atol=1e-6)
+    _assert_pipelines_match_jit(step_of(_ste_loss, TX), args, (2,), rtol=1e-4, atol=1e-6)
 
 
 def _relu_at_zero_loss(p, x):
@@ -182,5 +175,5 @@ def test_pipelines_keep_custom_jvp_rules():
         return jnp.mean((h @ p["w2"]) ** 2)
 
     assert not np.allclose(g_rule, jax.grad(with_max)(p, x)["b"])
-    _assert_pipelines_match_jit(_step_of(_relu_at_zero_loss), (p, TX.init(p), x), (2, 1),
+    _assert_pipelines_match_jit(step_of(_relu_at_zero_loss, TX), (p, TX.init(p), x), (2, 1),
                                 rtol=1e-5, atol=1e-7)

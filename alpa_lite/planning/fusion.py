@@ -56,6 +56,7 @@ import weakref
 
 from alpa_lite.ir.graph import Node, OpGraph
 from alpa_lite.ir.op_rules import CUSTOM_DERIVATIVES
+from alpa_lite.ir.tracing import sub_jaxprs
 from alpa_lite.plan.sharding import itemsize
 
 __all__ = ["DUPLICABLE", "STANDALONE", "FusionResult", "fuse", "is_standalone"]
@@ -117,38 +118,17 @@ _BODY_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 def _body_primitives(node: Node) -> frozenset[str] | None:
     """The primitives a call kept whole only for its derivative rule (`jax.nn.relu`'s
-    custom_jvp in a pipeline's pieces) runs, through the jit calls nested in it; None for
-    any other node. XLA compiles the body inlined, so such a call fuses as its body
-    does."""
+    custom_jvp in a pipeline's pieces) runs, nested calls' included; None for any other
+    node. XLA compiles the body inlined, so such a call fuses as its body does."""
     if node.primitive not in CUSTOM_DERIVATIVES:
         return None
-    body = next((node.params[k] for k in _BODY_KEYS if k in node.params), None)
-    return None if body is None else _primitives_of(body)
-
-
-_PRIMITIVES_OF: dict[int, tuple[object, frozenset[str]]] = {}
-_PRIMITIVES_OF_LIMIT = 4096
-
-
-def _primitives_of(jaxpr) -> frozenset[str]:
-    # Keyed by the jaxpr object, which the entry keeps alive so the id stays its own.
-    hit = _PRIMITIVES_OF.get(id(jaxpr))
-    if hit is not None and hit[0] is jaxpr:
-        return hit[1]
     found: set[str] = set()
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        inner = next((eqn.params[k] for k in _BODY_KEYS if k in eqn.params), None)
-        if eqn.primitive.name in ("jit", "pjit", "closed_call", "core_call") and inner is not None:
-            found |= _primitives_of(inner)
-        else:
+    pending = sub_jaxprs(node.params)
+    while pending:
+        for eqn in pending.pop().eqns:
             found.add(eqn.primitive.name)
-            if any(k in eqn.params for k in _BODY_KEYS + ("branches", "cond_jaxpr")):
-                found.add("<sub-program>")
-    result = frozenset(found)
-    if len(_PRIMITIVES_OF) >= _PRIMITIVES_OF_LIMIT:     # a long-lived process plans many steps
-        _PRIMITIVES_OF.clear()
-    _PRIMITIVES_OF[id(jaxpr)] = (jaxpr, result)
-    return result
+            pending.extend(sub_jaxprs(eqn.params))
+    return frozenset(found)
 
 
 def is_standalone(node: Node) -> bool:
@@ -158,9 +138,9 @@ def is_standalone(node: Node) -> bool:
         return True
     if not any(k in node.params for k in _BODY_KEYS):
         return False
+    # Loops and branches in the body are in STANDALONE.
     body = _body_primitives(node)
-    return body is None or not body or "<sub-program>" in body or bool(
-        body & (STANDALONE | _REDUCTIONS))
+    return not body or bool(body & (STANDALONE | _REDUCTIONS))
 
 
 def _is_cheap(node: Node) -> bool:

@@ -265,24 +265,18 @@ def structural_keys(graph: OpGraph) -> tuple[tuple, ...]:
 def structural_key(graph: OpGraph, node: Node) -> tuple:
     """Two nodes with equal keys have equal strategies (same primitive, parameters,
     operand and result types, work)."""
+    # A sub-program enters by its printed text, not its object: each traced layer brings
+    # its own jaxpr for the same body (jax.nn.relu's custom_jvp call in every layer of a
+    # pipeline's pieces), and keyed by object, repeated layers stopped sharing strategies,
+    # and with them their ILP choice (`grouping.repeated_group_classes`).
     params = []
     for k, v in sorted(node.params.items()):
         params.append((k, v if isinstance(v, (int, float, str, bool, type(None))) else
-                       _program_text(v) if hasattr(v, "eqns") or hasattr(v, "jaxpr")
-                       else repr(v)))
+                       str(v) if hasattr(v, "eqns") or hasattr(v, "jaxpr") else repr(v)))
     ins = tuple(None if t is None else (graph.tensors[t].shape, graph.tensors[t].dtype)
                 for t in node.inputs)
     outs = tuple((graph.tensors[t].shape, graph.tensors[t].dtype) for t in node.outputs)
     return (node.primitive, ins, outs, tuple(params), node.flops, node.bytes_accessed)
-
-
-def _program_text(jaxpr) -> str:
-    """A sub-program's printed text, as part of a node's key: each traced layer brings its
-    own jaxpr object for the same body (jax.nn.relu's custom_jvp call in every layer of a
-    pipeline's pieces), and keyed by object, repeated layers stopped sharing strategies,
-    and with them their ILP choice (`grouping.repeated_group_classes`). Printed once per
-    node and graph (`structural_keys`)."""
-    return str(jaxpr)
 
 
 def reshard_cost(units: Units, t: Tensor, src: TensorSpec, dst: TensorSpec | None,
