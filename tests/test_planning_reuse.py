@@ -255,7 +255,7 @@ def test_the_stage_dp_counts_what_a_recomputing_stage_rebuilds_and_stays_a_relax
 
     peak = dp_plan().peak_memory_bytes
     compared = 0
-    for fraction in (0.5, 0.4):
+    for fraction in (0.5, 0.45):
         plan = dp_plan(fraction * peak)
         chosen = {a.stage: a for a in plan.explanation.alternatives
                   if a.kind == "option" and a.chosen}
@@ -300,6 +300,33 @@ def test_polish_plans_whole_only_what_the_stage_search_could_take():
         assert fast.pipeline.step_time_s <= every.pipeline.step_time_s * 1.01
         assert fast.peak_memory_bytes <= budget
     assert listed
+
+
+def test_the_stage_searchs_layer_memory_uses_the_whole_stage_estimates_terms():
+    """The stage search sums its layers' memory from the same terms the whole-stage
+    estimate counts for the same plan: parameters and optimizer state as the parameters
+    are split, each gradient accumulator as the plan places its gradient (which may be
+    split finer or coarser than its parameter), and the stash. Counted as a copy of the
+    parameters, WRN-2B's layers on 8 V100s needed 7% more than their whole stage, which
+    kept the search from the plan the exhaustive mode found."""
+    parts = _step(al.Auto(num_micro_batches=2)).parts(*_args())
+    planner = PlannerPool().planner(parts, FOUR_H100, Solver.HIGHS, 60.0, {}, None,
+                                    False, False)
+    fwd = parts.forward
+    bounds = layer_node_ranges(forward_layers(fwd), len(fwd.graph.nodes))
+    mesh = LogicalMesh((2, 2), ("x", "y"))
+    unlike = 0
+    for a, b in bounds:
+        prog = planner.program(a, b)
+        for lean in (False, True):
+            cost = planner.cost(prog, mesh, None, lean)
+            est = pipeline.stage_estimate(planner, prog, cost, mesh, 1, False)
+            assert cost.param_bytes == pytest.approx(
+                est.params + est.grads + est.optimizer_state)
+            assert cost.weight_bytes == pytest.approx(est.params)
+            assert cost.act_bytes == pytest.approx(est.activations)
+            unlike += not np.isclose(est.grads, est.params)
+    assert unlike      # some gradient is split unlike its parameter: the case that matters
 
 
 def test_lean_plans_pruned_at_one_budget_are_planned_at_a_lower_one():

@@ -119,6 +119,7 @@ class StageCost:
     forward_s: float
     backward_s: float
     param_bytes: float      # per device: params, gradient accumulators, optimizer state
+    weight_bytes: float     # per device: the params alone
     act_bytes: float        # per device, per micro-batch in flight, without recomputation
     input_bytes: float      # per device, per micro-batch in flight, with recomputation
     output_bytes: float     # whole activations handed to the next stage, per micro-batch
@@ -599,6 +600,10 @@ class PipelinePlanner:
             return tt.size * itemsize(tt.dtype) / spec[t].num_shards(mesh)
 
         params = sum(local(t) for t in prog.fb_params)
+        # Each accumulator as the plan places its gradient (a reduce-scattered gradient is
+        # split finer than its parameter), as `stage_estimate` counts them: the stage
+        # search's layer sums and the whole-stage estimate use the same terms.
+        grads = sum(local(t) for t in prog.fb_param_grads)
         inputs = sum(local(t) for t in prog.fb_acts)
         residual = sum(local(t) for t in prog.residuals)
         by_node = dict(res.node_collectives)
@@ -615,7 +620,8 @@ class PipelinePlanner:
             combined[(c.kind, c.axes)] = combined.get((c.kind, c.axes), 0) + c.nbytes
         comm = CommModel(self.cluster, mesh)
         return StageCost(result=res, forward_s=forward_s, backward_s=st.total_s - forward_s,
-                         param_bytes=params * (2.0 + self.opt_ratio), act_bytes=inputs + residual,
+                         param_bytes=params * (1.0 + self.opt_ratio) + grads,
+                         weight_bytes=params, act_bytes=inputs + residual,
                          input_bytes=inputs, output_bytes=out_bytes,
                          grad_sync_s=sum(c.time_s for c in sync.values()),
                          reduce_once_s=sum(comm.op(kind, nbytes, axes).time_s
@@ -1025,9 +1031,8 @@ def _update_time(planner: PipelinePlanner, update_stages, costs, progs) -> float
     fusion = fuse(outer, row_reductions_fuse=cluster.platform != "cpu")
     shards = []
     for c, prog in zip(costs, progs):
-        whole = sum(prog.fb.graph.tensors[t].nbytes for t in prog.fb_params) \
-            * (2.0 + planner.opt_ratio)
-        shards.append(max(1.0, whole / c.param_bytes) if c.param_bytes > 0 else 1.0)
+        whole = sum(prog.fb.graph.tensors[t].nbytes for t in prog.fb_params)
+        shards.append(max(1.0, whole / c.weight_bytes) if c.weight_bytes > 0 else 1.0)
     per_stage = [0.0] * len(progs)
     for nid, s in zip(parts.apply_nodes, update_stages):
         node = outer.nodes[nid]
