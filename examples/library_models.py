@@ -173,14 +173,16 @@ def token_batch(batch_size: int):
 
 def _hf_train_step(model, tx):
     """The train step of a Hugging Face Flax LM head model (GPT-2 or BERT): token
-    cross-entropy on its logits, the parameters passed in."""
-
-    def loss_fn(params, input_ids, labels):
-        logits = model(input_ids, params=params, train=False).logits
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    cross-entropy on its logits. As Hugging Face's Flax examples write it, the loss
+    function takes the parameters and reads the batch from the step."""
 
     def train_step(params, opt_state, batch):
-        loss, grads = al.value_and_grad(loss_fn)(params, batch["input_ids"], batch["labels"])
+        def loss_fn(params):
+            logits = model(batch["input_ids"], params=params, train=False).logits
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["labels"]).mean()
+
+        loss, grads = al.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -295,15 +297,16 @@ def image_batch(batch_size: int, key: int):
 
 def _hf_image_train_step(model, tx):
     """The train step of a Hugging Face Flax image classifier: cross-entropy on its
-    logits (inference mode: no dropout, BatchNorm's running statistics)."""
-
-    def loss_fn(params, pixel_values, labels):
-        logits = model(pixel_values, params=params, train=False).logits
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    logits (inference mode: no dropout, BatchNorm's running statistics); the loss reads
+    the batch from the step, as in `_hf_train_step`."""
 
     def train_step(params, opt_state, batch):
-        loss, grads = al.value_and_grad(loss_fn)(params, batch["pixel_values"],
-                                                 batch["labels"])
+        def loss_fn(params):
+            logits = model(batch["pixel_values"], params=params, train=False).logits
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["labels"]).mean()
+
+        loss, grads = al.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

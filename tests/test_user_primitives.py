@@ -1,8 +1,8 @@
 """Primitives users' models hit (issue "8 ·", point 7): custom_vjp and custom_jvp functions,
 jax.checkpoint with a policy, jnp.take with clipped and filled indices, argsort, top_k,
 cumsum, and integer and boolean parameters that take no gradient: traced, planned and run
-under every plan kind, equal to jax.jit; a loss that closes over step values is refused
-for pipelines by name."""
+under every plan kind, equal to jax.jit; a loss that closes over step values (the batch,
+as Flax's examples write it) pipelines, equal to jax.jit."""
 
 import jax
 import jax.numpy as jnp
@@ -82,16 +82,49 @@ def test_user_primitives_run_under_every_plan(method):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_a_loss_closing_over_step_values_is_refused_for_pipelines_by_name():
+def _closing_step(params, opt_state, batch):
+    # The loss closes over the batch and two non-differentiated parameters, as Flax's
+    # `def loss_fn(params)` reads `batch` from the step.
+    diff = {k: params[k] for k in ("w1", "w2", "emb")}
+    rest = {k: params[k] for k in ("count", "flag")}
+    loss, g = al.value_and_grad(lambda d: _loss(d, batch, rest))(diff)
+    u, opt_state = TX.update(g, opt_state, diff)
+    return {**optax.apply_updates(diff, u), **rest}, opt_state, loss
+
+
+@pytest.mark.parametrize("method", [al.Manual(dp=4, pp=2, num_micro_batches=2),
+                                    al.Manual(dp=2, tp=2, pp=2, num_micro_batches=4),
+                                    al.Auto(num_micro_batches=2)],
+                         ids=["dp4_pp2_m2", "dp2_tp2_pp2_m4", "auto_m2"])
+def test_a_loss_closing_over_step_values_pipelines_equal_to_jit(method):
+    """The values a loss closes over are operands of its gradient call: split into
+    micro-batches where they are batch data (the step is traced again at the micro-batch
+    size to trace the loss there), handed whole where they are not."""
+    args = _args()
+    ref = jax.jit(_closing_step)(*args)
+    step = al.parallelize(_closing_step, method=method)
+    plan = step.plan(*args)
+    assert plan.pipeline is not None and plan.pipeline.num_micro_batches == \
+        method.num_micro_batches
+    out = step(*args)
+    np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_closed_over_value_that_does_not_follow_the_batch_is_refused_by_name():
+    """A closed-over batch value whose rows are not the loss's examples (here: the batch
+    tiled twice) cannot be traced at the micro-batch size: refused, naming what to do."""
     def step(params, opt_state, batch):
         diff = {k: params[k] for k in ("w1", "w2", "emb")}
         rest = {k: params[k] for k in ("count", "flag")}
-        loss, g = al.value_and_grad(lambda d, b: _loss(d, b, rest))(diff, batch)
+        both = {"x": batch["x"], "ids": jnp.concatenate([batch["ids"], batch["ids"]])[:32]}
+        loss, g = al.value_and_grad(lambda d: _loss(d, both, rest))(diff)
         u, opt_state = TX.update(g, opt_state, diff)
         return {**optax.apply_updates(diff, u), **rest}, opt_state, loss
 
     plan = al.parallelize(step, method=al.Manual(dp=4, pp=2, num_micro_batches=2))
-    with pytest.raises(PlanningError, match="closes over 2 value"):
+    with pytest.raises(PlanningError, match="closes over .* value"):
         plan.plan(*_args())
 
 

@@ -189,15 +189,20 @@ class GradCall:
 
     The call's argument leaves are split into array leaves (`avals`, the equation's
     operands) and everything else (static: configs, Python numbers), which `loss` closes over.
+    Values of the step the loss function closes over (Flax's `def loss_fn(params)` reading
+    `batch` from the step) are operands too, after the argument leaves (`num_closed`): the
+    loss is then the function as traced at these shapes, replayed, and at another batch
+    size the step is traced again (`ir.step_parts.loss_trace`).
     """
-    loss: Callable[..., Any]       # loss(*array_leaves) -> value (or (value, aux))
+    loss: Callable[..., Any]       # loss(*array_leaves, *closed) -> value (or (value, aux))
     grad_leaves: tuple[int, ...]   # per gradient result leaf, the array leaf it differentiates
     has_aux: bool
     num_value_leaves: int          # leaves of value (1, or 1 + aux leaves)
     out_tree: Any                  # of (value, grads)
-    avals: tuple[Any, ...]         # per array leaf
+    avals: tuple[Any, ...]         # per array leaf, then per value closed over
     out_avals: tuple[Any, ...]     # per result leaf: value leaves, then gradient leaves
     micro_batch_statistics: bool = False
+    num_closed: int = 0            # the step's values the loss function closes over
     # Per aux leaf: the array leaf (position in `avals`) it is the new value of, where an
     # aux sub-tree has the structure of a non-differentiated argument; else None.
     aux_updates: tuple[int | None, ...] = ()
@@ -263,8 +268,14 @@ def _captured_value_and_grad(fun, nums, has_aux, kwargs, args,
     avals = tuple(jax.typeof(leaves[j]) for j in arrays)
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
-    # Only the forward is traced here: a gradient has its parameter's shape and dtype.
-    value_shape = jax.eval_shape(loss, *structs)
+    # Only the forward is traced here: a gradient has its parameter's shape and dtype. The
+    # step's values the loss closes over are the trace's constants that are tracers of the
+    # step: they become operands, and the loss its trace replayed (`_replayed`).
+    closed_jaxpr, value_shape = jax.make_jaxpr(loss, return_shape=True)(*structs)
+    closed = [c for c in closed_jaxpr.consts if isinstance(c, jax.core.Tracer)]
+    if closed:
+        loss = _replayed(closed_jaxpr, jax.tree_util.tree_structure(value_shape))
+        avals = avals + tuple(jax.typeof(c) for c in closed)
     grad_tree = tuple(args[i] for i in nums) if len(nums) > 1 else args[nums[0]]
     grads_shape = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(grad_tree), [structs[i] for i in grad_leaves])
@@ -278,6 +289,7 @@ def _captured_value_and_grad(fun, nums, has_aux, kwargs, args,
         aux_updates = _state_updates(value_shape[1], candidates)
     call = GradCall(loss=loss, grad_leaves=grad_leaves, has_aux=has_aux,
                     micro_batch_statistics=micro_batch_statistics, aux_updates=aux_updates,
+                    num_closed=len(closed),
                     num_value_leaves=len(value_leaves),
                     out_tree=jax.tree_util.tree_structure((value_shape, grads_shape)),
                     avals=avals,
@@ -287,9 +299,24 @@ def _captured_value_and_grad(fun, nums, has_aux, kwargs, args,
     # `serial` makes every captured call's parameters unique: JAX caches abstract
     # evaluation by parameters, and two steps' calls with the same operands may differ in
     # their results (another loss, another aux).
-    outs = grad_call_p.bind(*[leaves[j] for j in arrays], index=len(calls) - 1,
+    outs = grad_call_p.bind(*[leaves[j] for j in arrays], *closed, index=len(calls) - 1,
                             serial=next(_SERIAL))
     return jax.tree_util.tree_unflatten(call.out_tree, outs)
+
+
+def _replayed(closed_jaxpr, value_tree) -> Callable[..., Any]:
+    """The loss as `closed_jaxpr` traced it, taking its tracer constants (the step's values
+    it closed over) as trailing arguments, in order."""
+    jaxpr, consts = closed_jaxpr.jaxpr, closed_jaxpr.consts
+    hoisted = [isinstance(c, jax.core.Tracer) for c in consts]
+    n = len(jaxpr.invars)
+
+    def loss(*xs):
+        given = iter(xs[n:])
+        values = [next(given) if h else c for c, h in zip(consts, hoisted)]
+        return jax.tree_util.tree_unflatten(value_tree,
+                                            jax.core.eval_jaxpr(jaxpr, values, *xs[:n]))
+    return loss
 
 
 def _state_updates(aux, candidates) -> tuple[int | None, ...]:

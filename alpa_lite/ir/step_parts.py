@@ -58,6 +58,10 @@ class SplitTraces:
     outer: TracedStep | None = None
     loss: dict = dataclasses.field(default_factory=dict)     # key -> the traced loss
     sunk: dict = dataclasses.field(default_factory=dict)     # key -> it, batch-free work sunk
+    # A loss function that closes over the step's values is traced with the step: the step
+    # (fn, args, batch_argnums), and its gradient call per batch size traced again.
+    step: tuple | None = None
+    calls: dict = dataclasses.field(default_factory=dict)    # batch size -> GradCall
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -119,12 +123,61 @@ def loss_trace(traces: SplitTraces, call, avals, roles, names, draws=(),
     key = (tuple((tuple(a.shape), dtype_name(a.dtype)) for a in avals), tuple(roles),
            tuple(names), tuple(draws))
     if key not in traces.loss:
+        if call.num_closed:
+            call = _call_at(traces, call, avals, roles)
         traces.loss[key] = trace_flat(_flat(call), avals, roles, names, draws)
     if not sunk:
         return traces.loss[key]
     if key not in traces.sunk:
         traces.sunk[key] = sink_batch_free_work(traces.loss[key])
     return traces.sunk[key]
+
+
+def _call_at(traces: SplitTraces, call, avals, roles):
+    """The gradient call of a loss that closes over the step's values, as it is made where
+    the batch operands have `avals`' leading size: its loss replays a trace at the shapes
+    it was called with, so the step is traced again with its batch leaves at that size.
+
+    Raises:
+      PlanningError: the step traced at that size calls the loss with other shapes than
+        `avals` (a value it closes over does not follow the batch).
+    """
+    same = [tuple(a.shape) == tuple(c.shape) for a, c in zip(avals, call.avals)]
+    if all(same):
+        return call
+    full = {call.avals[k].shape[0] for k, r in enumerate(roles)
+            if r is Role.BATCH and not same[k]}
+    size = {avals[k].shape[0] for k, r in enumerate(roles) if r is Role.BATCH and not same[k]}
+    closure = (f"the loss function closes over {call.num_closed} value(s) of the step; "
+               "pass them to it as arguments (al.value_and_grad(loss)(params, batch))")
+    if len(full) != 1 or len(size) != 1:
+        raise PlanningError(f"{closure}: the loss is asked for at shapes that do not differ "
+                            "by the batch size alone")
+    (whole,), (b,) = full, size
+    if b not in traces.calls:
+        fn, args, batch_argnums = traces.step
+        g = traces.outer.graph
+
+        def resized(tid, leaf):
+            t = g.tensors[tid]
+            if t.role is Role.BATCH and t.shape and t.shape[0] == whole:
+                return jax.ShapeDtypeStruct((b,) + tuple(t.shape[1:]), as_dtype(t.dtype))
+            return leaf
+        leaves, tree = jax.tree_util.tree_flatten(tuple(args))
+        try:
+            again = trace(fn, jax.tree_util.tree_unflatten(
+                tree, [resized(t, x) for t, x in zip(g.inputs, leaves)]), batch_argnums,
+                capture=True)
+        except Exception as e:      # the user's step may refuse the size in any way
+            raise PlanningError(f"{closure}: the step traced with {b} examples in place of "
+                                f"{whole} fails: {type(e).__name__}: {e}") from None
+        traces.calls[b] = again.grad_calls[-1] if len(again.grad_calls) == 1 else None
+    found = traces.calls[b]
+    if found is None or [tuple(a.shape) for a in found.avals] != \
+            [tuple(a.shape) for a in avals]:
+        raise PlanningError(f"{closure}: traced with {b} examples in place of {whole}, the "
+                            "step calls it with values of other shapes")
+    return found
 
 
 def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
@@ -140,6 +193,7 @@ def split_step(fn, args: Sequence[Any], batch_argnums: Sequence[int],
     traces = traces if traces is not None else SplitTraces()
     if traces.outer is None:
         traces.outer = trace(fn, args, batch_argnums, capture=True)
+        traces.step = (fn, args, batch_argnums)
     outer = traces.outer
     g = outer.graph
     calls = [n for n in g.nodes if n.primitive == GRAD_CALL]
