@@ -37,6 +37,7 @@ from alpa_lite.planning.hybrid_search import best_hybrid, hybrid_layouts
 from alpa_lite.planning.pipeline import PlannerPool, make_pipeline_plan, manual_memory_floor
 from alpa_lite.planning.spmd import make_plan, replace_stats
 from alpa_lite.progress import TRACE, Progress, report
+from alpa_lite.static_leaves import StaticStep, split_static
 from alpa_lite.runtime.compressed import CompressedExecutable
 from alpa_lite.runtime.distributed import share_from_first
 from alpa_lite.runtime.executable import Executable, StepProgram, compile_plan
@@ -67,7 +68,26 @@ class ParallelizedStep:
         self._split_traces: dict[Any, SplitTraces] = {}
         self._plans: dict[Any, Plan] = {}
         self._executables: dict[Any, Executable] = {}
-        functools.update_wrapper(self, fn)
+        # Per set of non-array argument leaves (`alpa_lite.static_leaves`): the step of
+        # the array leaves alone, planned and run in their place.
+        self._static_steps: dict[Any, ParallelizedStep] = {}
+        # Name and docstring only: the function's own attributes would overwrite ours.
+        functools.update_wrapper(self, fn, updated=())
+
+    def _resolved(self, args: tuple) -> tuple["ParallelizedStep", tuple]:
+        """The step that plans and runs `args` (Python numbers made arrays): this one, or,
+        where some argument leaves are not arrays, the step of the array leaves alone
+        (`static_leaves.StaticStep`), with those leaves None in the arguments it gets."""
+        args = _numbers_as_arrays(args)
+        stripped, static = split_static(args, "argument")
+        if static is None:
+            return self, args
+        key = (static.treedef, static.positions, static.values)
+        if key not in self._static_steps:
+            self._static_steps[key] = ParallelizedStep(
+                StaticStep(self.fn, static), self.method, self.cluster, self.batch_argnums,
+                self.fixed_plan, self.compression, self.on_nonfinite, self.compression_seed)
+        return self._static_steps[key], stripped
 
     def resolve_batch_argnums(self, nargs: int) -> tuple[int, ...]:
         if nargs == 0:
@@ -95,7 +115,9 @@ class ParallelizedStep:
 
     def trace(self, *args) -> TracedStep:
         """Traces the step for these arguments (arrays or ShapeDtypeStructs)."""
-        args = _numbers_as_arrays(args)
+        step, args = self._resolved(args)
+        if step is not self:
+            return step.trace(*args)
         key = self._signature(args)
         if key not in self._traces:
             self._traces[key] = trace(self.fn, args, self.resolve_batch_argnums(len(args)))
@@ -124,7 +146,9 @@ class ParallelizedStep:
     def parts(self, *args, num_micro_batches: int | None = None) -> StepParts:
         """The step split for pipelining (loss function per micro-batch, apply part), into
         `num_micro_batches` (default: the method's or the fixed plan's)."""
-        args = _numbers_as_arrays(args)
+        step, args = self._resolved(args)
+        if step is not self:
+            return step.parts(*args, num_micro_batches=num_micro_batches)
         m = num_micro_batches or self._micro_batches()
         key = (self._signature(args), m)
         if key not in self._parts:
@@ -139,8 +163,11 @@ class ParallelizedStep:
         """Plans the step for these arguments on `cluster` (default: the step's cluster,
         else the local devices). Arguments may be `jax.ShapeDtypeStruct`s. `progress`, if
         given, hears of each planning phase (`alpa_lite.progress`)."""
+        step, args = self._resolved(args)
+        if step is not self:
+            return step.plan(*args, cluster=cluster, progress=progress)
         with fewer_collections():
-            return self._plan_for(_numbers_as_arrays(args), cluster, progress)
+            return self._plan_for(args, cluster, progress)
 
     def _plan_for(self, args, cluster: Cluster | None, progress: Progress | None) -> Plan:
         cluster = cluster or self.cluster or Cluster.local()
@@ -331,7 +358,8 @@ class ParallelizedStep:
         """Plans (once per signature) and compiles the step for these arguments on the
         local devices: the executable a call runs; `.collectives(*args)` lists what it
         executes, read from the compiled programs."""
-        return self._compiled(_numbers_as_arrays(args))
+        step, args = self._resolved(args)
+        return step._compiled(args)
 
     def _compiled(self, args: tuple) -> Executable:
         # `compile` for arguments already made arrays (a call converts them once).
@@ -355,7 +383,9 @@ class ParallelizedStep:
 
     def program(self, plan: Plan, *args) -> StepProgram:
         """What the runtime needs of this step to run `plan` on these arguments."""
-        args = _numbers_as_arrays(args)
+        step, args = self._resolved(args)
+        if step is not self:
+            return step.program(plan, *args)
         nums = self.resolve_batch_argnums(len(args))
         common = dict(fn=self.fn, batch_argnums=nums, on_nonfinite=self.on_nonfinite,
                       compression_seed=self.compression_seed)
@@ -369,8 +399,8 @@ class ParallelizedStep:
         shaped like `args` (arrays or `jax.ShapeDtypeStruct`s), e.g. to load a checkpoint
         straight onto the devices that need it. Plans and builds the executable as the
         first call would, but compiles and runs nothing."""
-        args = _numbers_as_arrays(args)
-        return self._compiled(args).input_shardings(*args)
+        step, args = self._resolved(args)
+        return step._compiled(args).input_shardings(*args)
 
     def with_method(self, method: Method) -> "ParallelizedStep":
         """The same step with another method, sharing this step's traces (tracing a large
@@ -392,7 +422,11 @@ class ParallelizedStep:
                                 self.compression, self.on_nonfinite, self.compression_seed)
 
     def __call__(self, *args):
-        args = _numbers_as_arrays(args)
+        step, args = self._resolved(args)
+        if step is not self:
+            out = step.fn.restore(step(*args))
+            self._last_compressed = step._last_compressed or self._last_compressed
+            return out
         exe = self._compiled(args)
         if isinstance(exe, CompressedExecutable):
             self._last_compressed = exe
@@ -401,7 +435,8 @@ class ParallelizedStep:
     @property
     def built_plans(self) -> tuple[Plan, ...]:
         """The plans of the executables built so far, one per argument signature."""
-        return tuple(exe.plan for exe in self._executables.values())
+        return tuple(exe.plan for exe in self._executables.values()) + tuple(
+            p for step in self._static_steps.values() for p in step.built_plans)
 
     # ---- compressor state (residuals, warm starts, delayed queues) ----------------------
 
@@ -413,7 +448,9 @@ class ParallelizedStep:
 
     @active_compressed.setter
     def active_compressed(self, exe: CompressedExecutable) -> None:
-        if not any(exe is e for e in self._executables.values()):
+        own = list(self._executables.values()) + [
+            e for step in self._static_steps.values() for e in step._executables.values()]
+        if not any(exe is e for e in own):
             raise ValueError("active_compressed must be one of this step's own executables "
                              "(step.compile(*args))")
         self._last_compressed = exe
@@ -442,6 +479,8 @@ class ParallelizedStep:
         for exe in self._executables.values():
             if isinstance(exe, CompressedExecutable):
                 exe.reset_state(seed)
+        for step in self._static_steps.values():
+            step.reset_compression_state(seed)
 
 
 def _numbers_as_arrays(args: tuple) -> tuple:

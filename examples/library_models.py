@@ -24,7 +24,21 @@ import alpa_lite as al
 class Case:
     step: Callable            # (params, opt_state, batch) -> (params, opt_state, loss)
     args: tuple               # (params, opt_state, batch); flax_bn_cnn: params is
-                              # (params, batch_stats), returned first as new
+                              # (params, batch_stats), returned first as new; eqx_mlp:
+                              # the whole Equinox model
+    # How the library's docs compile the step: the reference the plans are compared with.
+    reference_jit: Callable = jax.jit
+
+
+def array_leaves(tree) -> list:
+    """A result's array leaves (an Equinox model's functions left out), to compare."""
+    return [x for x in jax.tree.leaves(tree) if hasattr(x, "shape")]
+
+
+def other_leaves(tree) -> list:
+    """A result's non-array leaves (an Equinox model's functions), which must come back
+    as they went in."""
+    return [x for x in jax.tree.leaves(tree) if not hasattr(x, "shape")]
 
 
 # SGD for the exact comparisons: Adam divides by the gradient's magnitude, turning
@@ -71,28 +85,32 @@ def nnx_mlp(batch_size: int = 16) -> Case:
 # ---- (d) Equinox: partition into arrays and the static rest; models written per example -
 
 def eqx_mlp(batch_size: int = 16) -> Case:
+    """As Equinox's docs write a train step: the whole model goes in and out (its
+    activation functions are non-array leaves, held static as `eqx.filter_jit` holds
+    them), the arrays partitioned out to be differentiated, and the loss reads the batch
+    from the step."""
     import equinox as eqx
 
-    # eqx.nn.MLP holds non-array fields: its activation functions and its sizes (ints).
     model = eqx.nn.MLP(in_size=16, out_size=8, width_size=256, depth=2,
                        activation=jax.nn.tanh, key=jax.random.key(0))
-    params, static = eqx.partition(model, eqx.is_array)
 
-    def loss(params, static, x, y):
-        model = eqx.combine(params, static)
+    def loss(model, x, y):
         pred_y = jax.vmap(model)(x)
         return jnp.mean((y - pred_y) ** 2)
 
-    def train_step(params, opt_state, batch):
-        # The docs' `eqx.filter_value_and_grad(loss)(...)`, adapted to alpa_lite.
-        value, grads = al.value_and_grad(loss)(params, static, batch["x"], batch["y"])
+    def train_step(model, opt_state, batch):
+        # The docs' `eqx.filter_value_and_grad(loss)(model, x, y)`, with al.value_and_grad.
+        params, static = eqx.partition(model, eqx.is_array)
+        value, grads = al.value_and_grad(
+            lambda p: loss(eqx.combine(p, static), batch["x"], batch["y"]))(params)
         updates, opt_state = SGD.update(grads, opt_state, params)
-        return eqx.apply_updates(params, updates), opt_state, value
+        return eqx.apply_updates(model, updates), opt_state, value
 
     k = jax.random.split(jax.random.key(1), 2)
     batch = {"x": jax.random.normal(k[0], (batch_size, 16)),
              "y": jax.random.normal(k[1], (batch_size, 8))}
-    return Case(train_step, (params, SGD.init(params), batch))
+    opt_state = SGD.init(eqx.filter(model, eqx.is_array))
+    return Case(train_step, (model, opt_state, batch), reference_jit=eqx.filter_jit)
 
 
 def eqx_transformer(batch_size: int = 8) -> Case:
