@@ -37,10 +37,10 @@ from alpa_lite.planning.hybrid_search import best_hybrid, hybrid_layouts
 from alpa_lite.planning.pipeline import PlannerPool, make_pipeline_plan, manual_memory_floor
 from alpa_lite.planning.spmd import make_plan, replace_stats
 from alpa_lite.progress import TRACE, Progress, report
-from alpa_lite.static_leaves import StaticStep, split_static
 from alpa_lite.runtime.compressed import CompressedExecutable
 from alpa_lite.runtime.distributed import share_from_first
 from alpa_lite.runtime.executable import Executable, StepProgram, compile_plan
+from alpa_lite.static_leaves import StaticStep, split_static
 
 
 class ParallelizedStep:

@@ -51,22 +51,24 @@ def split_static(tree: Any, what: str) -> tuple[Any, StaticLeaves | None]:
     Raises:
       TypeError: a non-array leaf is not hashable.
     """
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    positions = tuple(i for i, (_, x) in enumerate(paths_leaves) if not is_array_leaf(x))
+    # (Every call of a step passes through here: paths only for an error.)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    positions = tuple(i for i, x in enumerate(leaves) if not is_array_leaf(x))
     if not positions:
         return tree, None
     for i in positions:
-        path, x = paths_leaves[i]
         try:
-            hash(x)
+            hash(leaves[i])
         except TypeError:
+            path = jax.tree_util.tree_flatten_with_path(tree)[0][i][0]
             raise TypeError(
-                f"{what} leaf {jax.tree_util.keystr(path)} is a {type(x).__name__}: not an "
-                "array, so it is held static (as eqx.filter_jit holds it), and static leaves "
-                "must be hashable; make it an array, or pass it through a closure or "
+                f"{what} leaf {jax.tree_util.keystr(path)} is a {type(leaves[i]).__name__}: "
+                "not an array, so it is held static (as eqx.filter_jit holds it), and static "
+                "leaves must be hashable; make it an array, or pass it through a closure or "
                 "functools.partial") from None
-    static = StaticLeaves(treedef, positions, tuple(paths_leaves[i][1] for i in positions))
-    stripped = [None if i in set(positions) else x for i, (_, x) in enumerate(paths_leaves)]
+    static = StaticLeaves(treedef, positions, tuple(leaves[i] for i in positions))
+    held = set(positions)
+    stripped = [None if i in held else x for i, x in enumerate(leaves)]
     return jax.tree_util.tree_unflatten(treedef, stripped), static
 
 
