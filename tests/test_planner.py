@@ -169,11 +169,12 @@ def test_indivisible_shapes_are_replicated_not_rejected():
             assert dim_axes in ((), ("x",)) or plan.stages[0].mesh_shape[0] == 2
 
 
-def test_non_array_batch_leaf():
+def test_a_non_array_batch_leaf_is_held_static():
+    # As eqx.filter_jit holds it (tests/test_static_leaves.py): the step plans as without it.
     params, opt_state, batch = _mlp_args(64, 64)
-    batch = dict(batch, note="not an array")
-    with pytest.raises(TypeError, match=r"batch/note is a str, not an array"):
-        al.parallelize(_mlp_step).plan(params, opt_state, batch)
+    step = al.parallelize(_mlp_step)
+    noted = step.plan(params, opt_state, dict(batch, note="not an array"))
+    assert noted.step_time_s == step.plan(params, opt_state, batch).step_time_s
 
 
 def test_plan_for_other_cluster_or_shapes_is_refused():
