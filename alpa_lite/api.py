@@ -400,7 +400,11 @@ class ParallelizedStep:
         straight onto the devices that need it. Plans and builds the executable as the
         first call would, but compiles and runs nothing."""
         step, args = self._resolved(args)
-        return step._compiled(args).input_shardings(*args)
+        shardings = step._compiled(args).input_shardings(*args)
+        if step is self:
+            return shardings
+        # Shaped like the arguments as given: None at their non-array leaves.
+        return step.fn.static.as_none().restore(jax.tree_util.tree_leaves(shardings))
 
     def with_method(self, method: Method) -> "ParallelizedStep":
         """The same step with another method, sharing this step's traces (tracing a large

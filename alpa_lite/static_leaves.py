@@ -34,6 +34,11 @@ class StaticLeaves:
     positions: tuple[int, ...]
     values: tuple[Any, ...]
 
+    def as_none(self) -> "StaticLeaves":
+        """The same positions holding None (a pytree shaped like the original, such as
+        the arguments' shardings, with nothing at the static leaves)."""
+        return dataclasses.replace(self, values=(None,) * len(self.values))
+
     def restore(self, arrays: list[Any]) -> Any:
         """The pytree from its array leaves, in order, and these static ones."""
         leaves: list[Any] = []

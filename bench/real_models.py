@@ -94,16 +94,17 @@ def sharded_fraction_local(step, args) -> float:
     """Parameter bytes whose input sharding on the local devices is not fully replicated."""
     leaves, treedef = jax.tree_util.tree_flatten(args[0])
     shardings = treedef.flatten_up_to(step.input_shardings(*args)[0])
-    total = sum(_nbytes(x) for x in leaves)
-    return sum(_nbytes(x) for x, s in zip(leaves, shardings)
-               if not s.is_fully_replicated) / total
+    # (An Equinox model's functions are held static: no sharding, no bytes.)
+    pairs = [(x, s) for x, s in zip(leaves, shardings) if hasattr(x, "shape")]
+    total = sum(_nbytes(x) for x, _ in pairs)
+    return sum(_nbytes(x) for x, s in pairs if not s.is_fully_replicated) / total
 
 
 def sharded_fraction_plan(plan, args) -> float:
     """The same, read from the plan (for clusters one does not have): parameter leaves are
     the first leaves of the flattened arguments; a leaf is sharded where its spec names a
     mesh axis of more than one device of the stage that holds it."""
-    leaves = jax.tree.leaves(args[0])
+    leaves = lm.array_leaves(args[0])      # the plan holds no non-array leaf
     if plan.pipeline is not None:
         where = [(plan.stages[p.stage], p.spec) for p in plan.pipeline.inputs[:len(leaves)]]
     else:

@@ -51,6 +51,10 @@ def test_non_array_leaves_are_held_static_and_returned(method):
             np.testing.assert_allclose(out[0][name], ref[0][name], rtol=1e-4, atol=1e-6)
         # The next step takes the returned model as it is.
         step(*out[:2], args[2])[2].block_until_ready()
+    # The shardings come shaped like the arguments, None at the static leaves.
+    shardings = step.input_shardings(*args)
+    assert shardings[0]["act"] is None and shardings[0]["name"] is None
+    assert isinstance(shardings[0]["w1"], jax.sharding.Sharding)
     # One plan per set of static values (the two activations), whatever the calls.
     assert len(step.built_plans) == 2
     assert step.plan(*_args(jnp.tanh)) is step.plan(*_args(jnp.tanh))
