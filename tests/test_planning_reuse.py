@@ -302,6 +302,16 @@ def test_polish_plans_whole_only_what_the_stage_search_could_take():
     assert listed
 
 
+def _layer_planner():
+    """A pipeline planner of the tiny GPT at 2 micro-batches on 4 H100s, and its layers'
+    node ranges."""
+    parts = _step(al.Auto(num_micro_batches=2)).parts(*_args())
+    planner = PlannerPool().planner(parts, FOUR_H100, Solver.HIGHS, 60.0, {}, None,
+                                    False, False)
+    fwd = parts.forward
+    return planner, layer_node_ranges(forward_layers(fwd), len(fwd.graph.nodes))
+
+
 def test_the_stage_searchs_layer_memory_uses_the_whole_stage_estimates_terms():
     """The stage search sums its layers' memory from the same terms the whole-stage
     estimate counts for the same plan: parameters and optimizer state as the parameters
@@ -309,11 +319,7 @@ def test_the_stage_searchs_layer_memory_uses_the_whole_stage_estimates_terms():
     split finer or coarser than its parameter), and the stash. Counted as a copy of the
     parameters, WRN-2B's layers on 8 V100s needed 7% more than their whole stage, which
     kept the search from the plan the exhaustive mode found."""
-    parts = _step(al.Auto(num_micro_batches=2)).parts(*_args())
-    planner = PlannerPool().planner(parts, FOUR_H100, Solver.HIGHS, 60.0, {}, None,
-                                    False, False)
-    fwd = parts.forward
-    bounds = layer_node_ranges(forward_layers(fwd), len(fwd.graph.nodes))
+    planner, bounds = _layer_planner()
     mesh = LogicalMesh((2, 2), ("x", "y"))
     unlike = 0
     for a, b in bounds:
@@ -334,11 +340,7 @@ def test_lean_plans_pruned_at_one_budget_are_planned_at_a_lower_one():
     fastest plan fits, all in one stage) is pruned at that budget only: a stage search
     again at a lowered budget (`settle_stages`) gets the mesh's lean plans, and its layer
     options say lean where the fastest plan no longer fits."""
-    parts = _step(al.Auto(num_micro_batches=2)).parts(*_args())
-    planner = PlannerPool().planner(parts, FOUR_H100, Solver.HIGHS, 60.0, {}, None,
-                                    False, False)
-    fwd = parts.forward
-    bounds = layer_node_ranges(forward_layers(fwd), len(fwd.graph.nodes))
+    planner, bounds = _layer_planner()
     progs = [planner.program(a, b) for a, b in bounds]
     meshes = [LogicalMesh(shape, ("x", "y")) for shape in [(1, 1), (2, 2), (1, 4)]]
 
