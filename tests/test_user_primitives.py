@@ -4,6 +4,8 @@ cumsum, and integer and boolean parameters that take no gradient: traced, planne
 under every plan kind, equal to jax.jit; a loss that closes over step values (the batch,
 as Flax's examples write it) pipelines, equal to jax.jit."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,3 +211,39 @@ def test_pipelines_keep_custom_jvp_rules():
     assert not np.allclose(g_rule, jax.grad(with_max)(p, x)["b"])
     _assert_pipelines_match_jit(step_of(_relu_at_zero_loss, TX), (p, TX.init(p), x), (2, 1),
                                 rtol=1e-5, atol=1e-7)
+
+
+def _constrained_step(params, opt_state, batch):
+    # As code written for pjit / MaxText pins an activation's sharding on its own mesh.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+    def loss(d, x):
+        h = jax.lax.with_sharding_constraint(jnp.tanh(x @ d["w1"]), spec)
+        return jnp.mean(h @ d["w2"])
+
+    diff = {k: params[k] for k in ("w1", "w2")}
+    value, grads = al.value_and_grad(loss)(diff, batch["x"])
+    updates, opt_state = TX.update(grads, opt_state, diff)
+    return optax.apply_updates(diff, updates), opt_state, value
+
+
+@pytest.mark.parametrize("method", [al.Manual(dp=2, tp=4),
+                                    al.Manual(dp=4, pp=2, num_micro_batches=2)],
+                         ids=["dp2_tp4", "dp4_pp2_m2"])
+def test_a_users_sharding_constraint_is_the_identity_and_noted(method):
+    """`with_sharding_constraint` in the user's code (on the user's own mesh) changes no
+    value: the plan chooses every sharding itself, so the call is read as the identity,
+    sharded and micro-batched like one, and the plan's notes say so."""
+    params, _, batch = _args()
+    params = {k: params[k] for k in ("w1", "w2")}
+    args = (params, TX.init(params), batch)
+    ref = jax.jit(_constrained_step)(*args)
+    step = al.parallelize(_constrained_step, method=method)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # no "runs replicated" warning
+        out = step(*args)
+    np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert any("with_sharding_constraint" in n for n in step.plan(*args).notes)

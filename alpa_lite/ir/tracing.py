@@ -136,6 +136,14 @@ class _Builder:
                 if not self.boundaries or self.boundaries[-1] != len(self.nodes):
                     self.boundaries.append(len(self.nodes))
                 continue
+            if name == "sharding_constraint":
+                # The user's own sharding pin (code written for pjit) is the identity on
+                # values; the plan chooses every sharding, so it is read as one.
+                for v_in, v_out in zip(in_atoms, eqn.outvars):
+                    env[v_out] = v_in
+                self._note("with_sharding_constraint in the step: read as the identity "
+                           "(the plan chooses every sharding, the user's pins included)")
+                continue
             if name in CALL_BODIES and CALL_BODIES[name] in eqn.params and not (
                     self.keep_custom_rules and name in CUSTOM_DERIVATIVES):
                 self._inline(eqn, eqn.params[CALL_BODIES[name]], in_atoms, env, eqn_scope)
