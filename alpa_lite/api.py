@@ -377,8 +377,9 @@ class ParallelizedStep:
         key = self._signature(args)
         if key not in self._executables:
             plan = self.plan(*args, cluster=cluster)
-            self._executables[key] = compile_plan(plan, self.program(plan, *args),
-                                                  jax.devices())
+            program = self.program(plan, *args)
+            with _plans_own_meshes():
+                self._executables[key] = compile_plan(plan, program, jax.devices())
         return self._executables[key]
 
     def program(self, plan: Plan, *args) -> StepProgram:
@@ -434,7 +435,8 @@ class ParallelizedStep:
         exe = self._compiled(args)
         if isinstance(exe, CompressedExecutable):
             self._last_compressed = exe
-        return exe(*args)
+        with _plans_own_meshes():
+            return exe(*args)
 
     @property
     def built_plans(self) -> tuple[Plan, ...]:
@@ -485,6 +487,14 @@ class ParallelizedStep:
                 exe.reset_state(seed)
         for step in self._static_steps.values():
             step.reset_compression_state(seed)
+
+
+def _plans_own_meshes():
+    """A context without the user's mesh (`jax.set_mesh`, which code written for pjit calls
+    its step under): the plan's programs carry their own meshes, a pipeline stage's a part
+    of the devices, and jit refuses arguments off the context mesh. The step is still
+    traced under the user's mesh, where its bare PartitionSpecs need it."""
+    return jax.set_mesh(None)
 
 
 def _numbers_as_arrays(args: tuple) -> tuple:

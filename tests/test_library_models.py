@@ -194,3 +194,45 @@ def test_flax_train_state_runs_under_every_plan_kind_and_plans_once():
             for a, b in zip(jax.tree.leaves(s.params), jax.tree.leaves(want[0].params)):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
         assert len(step.built_plans) == 1, kind
+
+
+def test_flax_partitioned_params_under_the_users_mesh_pipeline_equal_to_jit():
+    """As Flax's guide to sharding writes a model: kernels boxed by `nn.with_partitioning`,
+    an activation pinned with a bare PartitionSpec, the step called under
+    `jax.set_mesh(mesh)`. The pins trace against the user's mesh and the shardings they
+    give later operators there are dropped (the plan chooses its own): a pipeline with
+    per-replica backward passes runs equal to jax.jit."""
+    nn = pytest.importorskip("flax.linen")
+    P = jax.sharding.PartitionSpec
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.initializers.lecun_normal()
+            x = nn.Dense(32, kernel_init=nn.with_partitioning(init, (None, "model")))(x)
+            x = nn.relu(jax.lax.with_sharding_constraint(x, P("data", "model")))
+            return nn.Dense(4, kernel_init=nn.with_partitioning(init, ("model", None)))(x)
+
+    model, tx = MLP(), optax.sgd(0.1)
+    k = jax.random.split(jax.random.key(0), 3)
+    batch = {"x": jax.random.normal(k[0], (16, 8)), "y": jax.random.normal(k[1], (16, 4))}
+    mesh = jax.make_mesh((2, 4), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def train_step(params, opt_state, batch):
+        def loss_fn(params):
+            return jnp.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = al.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    with jax.set_mesh(mesh):
+        params = jax.jit(model.init)(k[2], batch["x"])["params"]
+        args = (params, tx.init(params), batch)
+        ref = jax.jit(train_step)(*args)
+        out = al.parallelize(train_step, method=al.Manual(dp=4, pp=2, num_micro_batches=2))(
+            *args)
+    np.testing.assert_allclose(np.asarray(out[2]), np.asarray(ref[2]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

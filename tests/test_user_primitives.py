@@ -247,3 +247,32 @@ def test_a_users_sharding_constraint_is_the_identity_and_noted(method):
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert any("with_sharding_constraint" in n for n in step.plan(*args).notes)
+
+
+def test_a_step_called_under_the_users_mesh_runs_on_the_plans_devices():
+    """Code written for pjit calls its step inside `jax.set_mesh(mesh)`, pinning values
+    with bare PartitionSpecs: those trace against the user's mesh, the shardings they give
+    later operators on it are dropped, and the plan's programs (a pipeline stage on half
+    the devices) run on their own meshes."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def step(params, opt_state, batch):
+        def loss(d, x):
+            h = jax.lax.with_sharding_constraint(jnp.tanh(x @ d["w1"]),
+                                                 jax.sharding.PartitionSpec("data", "model"))
+            # A bias broadcast onto h's rows takes h's sharding on the user's mesh.
+            return jnp.mean(h @ d["w2"] + d["w2"][0])
+
+        value, grads = al.value_and_grad(loss)(params, batch["x"])
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    params, _, batch = _args()
+    params = {k: params[k] for k in ("w1", "w2")}
+    args = (params, TX.init(params), batch)
+    with jax.set_mesh(mesh):
+        ref = jax.jit(step)(*args)
+        out = al.parallelize(step, method=al.Manual(dp=4, pp=2, num_micro_batches=2))(*args)
+    np.testing.assert_allclose(np.asarray(out[2]), np.asarray(ref[2]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

@@ -161,6 +161,11 @@ class _Builder:
                 self._note(f"while loop in {where}: trip count unknown at trace time, "
                            "priced as one iteration")
             prim, params = eqn.primitive, dict(eqn.params)
+            # Under the user's mesh (`jax.set_mesh`) an operator may carry the sharding of
+            # its result on that mesh; the plan chooses it, on its own meshes.
+            for key in _RESULT_SHARDINGS:
+                if isinstance(params.get(key), jax.sharding.Sharding):
+                    params[key] = None
             if name == "random_bits":
                 k = len(self.draw_shapes)
                 self.draw_shapes.append(tuple(params["shape"]))
@@ -474,6 +479,10 @@ def _bad_key_data(error: Exception, names: Sequence[str], avals: Sequence[Any]) 
         f"a random key argument is not a key{where}: a raw key from jax.random.PRNGKey is "
         f"uint32 with trailing shape {list(want)}; pass jax.random.PRNGKey(seed) or "
         f"jax.random.key(seed) as it comes. JAX said: {error}")
+
+
+# Operator parameters that pin a result's sharding (sharding-in-types under a mesh).
+_RESULT_SHARDINGS = ("sharding", "out_sharding")
 
 
 # Primitives that read a raw uint32 key (`jax.random.PRNGKey`) as key data.
