@@ -78,8 +78,9 @@ class ParallelizedStep:
         """The step that plans and runs `args` (Python numbers made arrays): this one, or,
         where some argument leaves are not arrays, the step of the array leaves alone
         (`static_leaves.StaticStep`), with those leaves None in the arguments it gets."""
-        args = _numbers_as_arrays(args)
-        stripped, static = split_static(args, "argument")
+        # (Every call passes through here: the arguments are flattened once.)
+        args, flat = _numbers_as_arrays(args)
+        stripped, static = split_static(args, "argument", flat)
         if static is None:
             return self, args
         key = (static.treedef, static.positions, static.values)
@@ -497,18 +498,19 @@ def _plans_own_meshes():
     return jax.set_mesh(None)
 
 
-def _numbers_as_arrays(args: tuple) -> tuple:
+def _numbers_as_arrays(args: tuple) -> tuple[tuple, tuple[list, Any]]:
     """`args` with each Python number leaf (flax's `TrainState.create` starts `step` at the
     int 0) made the array `jax.jit` would make of it (weakly typed, e.g. int32): the
     runtimes take arrays, and the next step's array of the same value then has the same
-    signature, so the step is not planned and compiled twice. `args` itself, unrebuilt,
-    where there is none (every call of a step passes through here)."""
+    signature, so the step is not planned and compiled twice; and its (leaves, treedef).
+    `args` itself, unrebuilt, where there is none (every call of a step passes through
+    here)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     numbers = (bool, int, float, complex)
     if not any(isinstance(x, numbers) for x in leaves):
-        return args
-    return jax.tree_util.tree_unflatten(
-        treedef, [jnp.asarray(x) if isinstance(x, numbers) else x for x in leaves])
+        return args, (leaves, treedef)
+    leaves = [jnp.asarray(x) if isinstance(x, numbers) else x for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, leaves), (leaves, treedef)
 
 
 def parallelize(fn: Callable | None = None, *, method: Method | None = None,

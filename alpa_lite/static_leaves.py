@@ -49,15 +49,17 @@ class StaticLeaves:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-def split_static(tree: Any, what: str) -> tuple[Any, StaticLeaves | None]:
+def split_static(tree: Any, what: str,
+                 flat: tuple[list, Any] | None = None) -> tuple[Any, StaticLeaves | None]:
     """`tree` with each non-array leaf replaced by None, and those leaves (None where there
-    are none). `what` names the tree in errors.
+    are none). `what` names the tree in errors; `flat`: its (leaves, treedef) where the
+    caller has them.
 
     Raises:
       TypeError: a non-array leaf is not hashable.
     """
     # (Every call of a step passes through here: paths only for an error.)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    leaves, treedef = flat if flat is not None else jax.tree_util.tree_flatten(tree)
     positions = tuple(i for i, x in enumerate(leaves) if not is_array_leaf(x))
     if not positions:
         return tree, None

@@ -189,14 +189,16 @@ def token_batch(batch_size: int):
             "labels": jax.random.randint(k[1], (batch_size, SEQ), 0, VOCAB)}
 
 
-def _hf_train_step(model, tx):
-    """The train step of a Hugging Face Flax LM head model (GPT-2 or BERT): token
-    cross-entropy on its logits. As Hugging Face's Flax examples write it, the loss
+def _hf_train_step(model, tx, inputs: str = "input_ids"):
+    """The train step of a Hugging Face Flax model with a classifier or LM head:
+    cross-entropy of its logits on `batch["labels"]`, the model fed `batch[inputs]`
+    (token ids, or an image classifier's "pixel_values"), in inference mode (no dropout;
+    BatchNorm's running statistics). As Hugging Face's Flax examples write it, the loss
     function takes the parameters and reads the batch from the step."""
 
     def train_step(params, opt_state, batch):
         def loss_fn(params):
-            logits = model(batch["input_ids"], params=params, train=False).logits
+            logits = model(batch[inputs], params=params, train=False).logits
             return optax.softmax_cross_entropy_with_integer_labels(
                 logits, batch["labels"]).mean()
 
@@ -287,7 +289,7 @@ def hf_vit(batch_size: int = 8) -> Case:
                        num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                        num_labels=10)
     model, params = hf_model(FlaxViTForImageClassification, config)
-    return Case(_hf_image_train_step(model, SGD),
+    return Case(_hf_train_step(model, SGD, "pixel_values"),
                 (params, SGD.init(params), image_batch(batch_size, key=1)))
 
 
@@ -302,7 +304,7 @@ def hf_resnet(batch_size: int = 8) -> Case:
                           depths=[1, 1], num_labels=10)
     model, params = hf_model(FlaxResNetForImageClassification, config)
     # Inputs for which some ReLU input is exactly 0 (so are most: 3 of the keys 0-3).
-    return Case(_hf_image_train_step(model, SGD),
+    return Case(_hf_train_step(model, SGD, "pixel_values"),
                 (params, SGD.init(params), image_batch(batch_size, key=3)))
 
 
@@ -311,24 +313,6 @@ def image_batch(batch_size: int, key: int):
     k = jax.random.split(jax.random.key(key), 2)
     return {"pixel_values": jax.random.normal(k[0], (batch_size, 3, 16, 16)),
             "labels": jax.random.randint(k[1], (batch_size,), 0, 10)}
-
-
-def _hf_image_train_step(model, tx):
-    """The train step of a Hugging Face Flax image classifier: cross-entropy on its
-    logits (inference mode: no dropout, BatchNorm's running statistics); the loss reads
-    the batch from the step, as in `_hf_train_step`."""
-
-    def train_step(params, opt_state, batch):
-        def loss_fn(params):
-            logits = model(batch["pixel_values"], params=params, train=False).logits
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits, batch["labels"]).mean()
-
-        loss, grads = al.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return train_step
 
 
 # ---- (f) an optax chain with a schedule and a decay mask; bf16 mixed precision ----------

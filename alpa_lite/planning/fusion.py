@@ -147,8 +147,9 @@ def _is_cheap(node: Node) -> bool:
     """Cheap to re-compute in a consumer's fusion: element-wise-like, not expensive, not a
     reduction (whose result needs all of its input)."""
     if node.primitive in CUSTOM_DERIVATIVES:
+        # Fused as its body (`is_standalone`), and cheap where every operator of it is.
         body = _body_primitives(node)
-        return bool(body) and not body & (_EXPENSIVE | _REDUCTIONS) and not is_standalone(node)
+        return bool(body) and not body & (_EXPENSIVE | _REDUCTIONS | STANDALONE)
     return (node.primitive not in _EXPENSIVE and node.primitive not in _REDUCTIONS
             and not is_standalone(node))
 
