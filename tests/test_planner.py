@@ -138,6 +138,46 @@ def test_plans_for_big_models_from_shapes_only():
     assert plan.stats.ilp_nodes < plan.stats.nodes_after_merge < plan.stats.nodes_before_merge
 
 
+def _masked_layers_loss(params, batch):
+    # Each layer scales its heads by its own row of a stacked array, as Hugging Face's
+    # BERT applies `head_mask[i]`: the slice's static index differs from layer to layer.
+    h = batch["x"]
+    for i, (w, b) in enumerate(params["layers"]):
+        z = (h @ w + b).reshape(h.shape[0], 4, -1) * params["head_scale"][i][None, :, None]
+        h = h + jax.nn.gelu(z.reshape(h.shape))
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def _masked_layers_args(depth: int):
+    f32, hidden = jnp.float32, 256
+    params = {"layers": [(jax.ShapeDtypeStruct((hidden, hidden), f32),
+                          jax.ShapeDtypeStruct((hidden,), f32)) for _ in range(depth)],
+              "head_scale": jax.ShapeDtypeStruct((depth, 4), f32)}
+    data = {"x": jax.ShapeDtypeStruct((64, hidden), f32),
+            "y": jax.ShapeDtypeStruct((64, hidden), f32)}
+    return params, optax.adam(1e-3).init(params), data
+
+
+def test_layers_that_slice_their_own_row_of_a_stacked_array_share_one_ilp_choice():
+    """The ILP is about one layer's size whatever the depth, also where each layer reads
+    its own row of a stacked array (a slice whose static index differs per layer): the
+    interior layers' groups are alike by content, so twice the layers add no ILP node."""
+    tx = optax.adam(1e-3)
+
+    def step(params, opt_state, batch):
+        loss, grads = al.value_and_grad(_masked_layers_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    nodes = {}
+    for depth in (8, 16):
+        plan = al.parallelize(step, method=al.Manual(dp=2, tp=4)).plan(
+            *_masked_layers_args(depth), cluster=al.Cluster.preset("8xV100"))
+        nodes[depth] = (plan.stats.ilp_nodes, plan.stats.nodes_after_merge)
+    assert nodes[16][1] >= nodes[8][1] + 8 * 4     # many more groups ...
+    assert nodes[16][0] == nodes[8][0]             # ... and not one more ILP node
+
+
 # ---- bad input: a clear error, nothing changed ------------------------------------------
 
 
