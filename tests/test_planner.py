@@ -138,7 +138,7 @@ def test_plans_for_big_models_from_shapes_only():
     assert plan.stats.ilp_nodes < plan.stats.nodes_after_merge < plan.stats.nodes_before_merge
 
 
-def _masked_layers_loss(params, batch):
+def _head_scaled_layers_loss(params, batch):
     # Each layer scales its heads by its own row of a stacked array, as Hugging Face's
     # BERT applies `head_mask[i]`: the slice's static index differs from layer to layer.
     h = batch["x"]
@@ -148,7 +148,7 @@ def _masked_layers_loss(params, batch):
     return jnp.mean((h - batch["y"]) ** 2)
 
 
-def _masked_layers_args(depth: int):
+def _head_scaled_layers_args(depth: int):
     f32, hidden = jnp.float32, 256
     params = {"layers": [(jax.ShapeDtypeStruct((hidden, hidden), f32),
                           jax.ShapeDtypeStruct((hidden,), f32)) for _ in range(depth)],
@@ -165,14 +165,14 @@ def test_layers_that_slice_their_own_row_of_a_stacked_array_share_one_ilp_choice
     tx = optax.adam(1e-3)
 
     def step(params, opt_state, batch):
-        loss, grads = al.value_and_grad(_masked_layers_loss)(params, batch)
+        loss, grads = al.value_and_grad(_head_scaled_layers_loss)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     nodes = {}
     for depth in (8, 16):
         plan = al.parallelize(step, method=al.Manual(dp=2, tp=4)).plan(
-            *_masked_layers_args(depth), cluster=al.Cluster.preset("8xV100"))
+            *_head_scaled_layers_args(depth), cluster=al.Cluster.preset("8xV100"))
         nodes[depth] = (plan.stats.ilp_nodes, plan.stats.nodes_after_merge)
     assert nodes[16][1] >= nodes[8][1] + 8 * 4     # many more groups ...
     assert nodes[16][0] == nodes[8][0]             # ... and not one more ILP node

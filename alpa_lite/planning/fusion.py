@@ -270,7 +270,7 @@ def _fuse(graph: OpGraph, row_reductions_fuse: bool = False) -> FusionResult:
                 if r not in again:
                     again.add(r)
                     total += nbytes[r]
-            met |= met_on[t] if g == NO_GROUP else groups_met(t)
+            met |= groups_met(t)
             if total > limit:
                 return frozenset({tid}), frozenset(met)
         return frozenset(again), frozenset(met)
