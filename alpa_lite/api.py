@@ -251,10 +251,25 @@ class ParallelizedStep:
                     "and the loss draws random numbers along the batch (e.g. a dropout "
                     "mask): each worker would draw its own, not jax.jit's; plan without "
                     "compression, or draw per example (jax.random.fold_in(key, index))")
+            weigh_hybrids = isinstance(self.method, Auto) and \
+                isinstance(self.compression, C.AutoCompression)
+            if traced.sharding_constraints:
+                # The per-worker engine runs the step itself inside shard_map, where the
+                # user's pins name a mesh no worker has (JAX refuses them there); the
+                # hybrid layouts run the traced step, which reads them as the identity.
+                refusal = (
+                    "gradient compression with data parallelism runs the step itself on "
+                    "each worker, and the step pins values with with_sharding_constraint, "
+                    "whose shardings name a mesh no worker has: remove the pins (the plan "
+                    "chooses every sharding), compress a hybrid layout (al.Manual(dp=..., "
+                    "tp=...) or with pp, which runs the traced step and reads the pins as "
+                    "the identity), or plan without compression")
+                if weigh_hybrids:
+                    return self._weigh_hybrids(args, traced, cluster, None, refusal)
+                raise PlanningError(refusal)
             pure_dp = make_compressed_plan(traced, self.method, cluster, self.compression,
                                            workers.loss_scale, names)
-            if isinstance(self.method, Auto) and \
-                    isinstance(self.compression, C.AutoCompression):
+            if weigh_hybrids:
                 return self._weigh_hybrids(args, traced, cluster, pure_dp)
             return pure_dp
         if not isinstance(self.method, Auto):
@@ -310,11 +325,12 @@ class ParallelizedStep:
         return floor
 
     def _weigh_hybrids(self, args, traced: TracedStep, cluster: Cluster,
-                       pure_dp: Plan) -> Plan:
+                       pure_dp: Plan | None, refusal: str = "") -> Plan:
         """Auto with AutoCompression: the pure data-parallel plan (compressed or not, or
         the best uncompressed layout it already weighed) against the hybrid layouts with
         compressed data parallelism (`planning.hybrid_search`); the fastest that fits,
-        with the choice and its runner-up in `Plan.choices`."""
+        with the choice and its runner-up in `Plan.choices`. `pure_dp` None: the step
+        cannot run as one (`refusal` says why), and only the hybrids are weighed."""
         budget = self.method.memory_budget_bytes or cluster.device.memory_bytes
         pool = PlannerPool()
 
@@ -331,14 +347,22 @@ class ParallelizedStep:
             cluster.num_devices, cluster.devices_per_node, batch)
         best, outcomes = best_hybrid(layouts, plan_layout, budget, batch or 0,
                                      self._layout_floor(args, cluster, pool, budget))
-        base_fits = pure_dp.peak_memory_bytes <= budget
-        label = ("data parallel, " + pure_dp.compression.description
-                 if pure_dp.compression is not None else "uncompressed " + (
-                     "pipeline" if pure_dp.pipeline is not None else "single stage"))
-        weighed = [(label, pure_dp.step_time_s, base_fits)] + [
-            (_layout_label(o.plan), o.step_time_s, o.note == "") for o in outcomes
-            if o.plan is not None]
-        if best is not None and (not base_fits or best.step_time_s < pure_dp.step_time_s):
+        hybrids = [(_layout_label(o.plan), o.step_time_s, o.note == "") for o in outcomes
+                   if o.plan is not None]
+        if pure_dp is None:
+            if best is None:
+                first = next((o.note for o in outcomes if o.note), "no layout fits the batch")
+                raise PlanningError(f"{refusal}; no hybrid layout could be planned either "
+                                    f"(first: {first})")
+            weighed = hybrids
+        else:
+            base_fits = pure_dp.peak_memory_bytes <= budget
+            label = ("data parallel, " + pure_dp.compression.description
+                     if pure_dp.compression is not None else "uncompressed " + (
+                         "pipeline" if pure_dp.pipeline is not None else "single stage"))
+            weighed = [(label, pure_dp.step_time_s, base_fits)] + hybrids
+        if best is not None and (pure_dp is None or not base_fits
+                                 or best.step_time_s < pure_dp.step_time_s):
             # The plan runs the layout; the method stays what the user asked for.
             chosen, chosen_label = dataclasses.replace(best, method=self.method), \
                 _layout_label(best)
@@ -351,6 +375,8 @@ class ParallelizedStep:
         refused = [o for o in outcomes if o.step_time_s is None]
         if refused:
             note += f"; {len(refused)} could not be planned (first: {refused[0].note})"
+        if pure_dp is None:
+            note += f"; pure data parallelism refused: {refusal}"
         choice = Choice("layout", chosen_label, chosen.step_time_s, runner[0], runner[1],
                         runner[2], by_user=False, note=note)
         return dataclasses.replace(chosen, choices=chosen.choices + (choice,))

@@ -276,3 +276,45 @@ def test_a_step_called_under_the_users_mesh_runs_on_the_plans_devices():
     np.testing.assert_allclose(np.asarray(out[2]), np.asarray(ref[2]), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def _pinned_step():
+    """A step written for pjit: its loss pins a value with a bare PartitionSpec."""
+    def step(params, opt_state, batch):
+        def loss(d, x):
+            h = jax.lax.with_sharding_constraint(jnp.tanh(x @ d["w1"]),
+                                                 jax.sharding.PartitionSpec("data", "model"))
+            return jnp.mean(h @ d["w2"])
+
+        value, grads = al.value_and_grad(loss)(params, batch["x"])
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    params, _, batch = _args()
+    params = {k: params[k] for k in ("w1", "w2")}
+    return step, (params, TX.init(params), batch)
+
+
+def test_compressed_data_parallelism_refuses_the_users_sharding_pins_by_name():
+    """The per-worker engine of compressed data parallelism runs the step itself on each
+    worker, where a pin names a mesh no worker has: refused at planning, by name, with the
+    ways out. A compressed hybrid layout runs the traced step and equals jax.jit; Auto
+    with AutoCompression weighs only such layouts and says why."""
+    from alpa_lite import compression as C
+    step, args = _pinned_step()
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        ref = jax.jit(step)(*args)
+        dp = al.parallelize(step, method=al.DataParallel(), compression=C.PowerSGD(rank=2))
+        with pytest.raises(PlanningError, match="pins values with with_sharding_constraint.*hybrid"):
+            dp.plan(*args)
+        out = al.parallelize(step, method=al.Manual(dp=2, tp=4), compression=C.Dense())(*args)
+        auto = al.parallelize(step, method=al.Auto(),
+                              compression=C.AutoCompression(allow=C.common_lossy()))
+        plan = auto.plan(*args, cluster=al.Cluster.preset("8xV100"))
+    np.testing.assert_allclose(np.asarray(out[2]), np.asarray(ref[2]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    layout = next(c for c in plan.choices if c.what == "layout")
+    assert "pure data parallelism refused" in layout.note
+    assert plan.pipeline is not None                    # a hybrid layout runs

@@ -77,6 +77,10 @@ class TracedStep:
     # follow creation, i.e. the backward's order, not the pytree's: an engine that handles
     # gradient leaves itself (`runtime.compressed`) maps them to the plan's names by this.
     grad_leaves: tuple[tuple[int | None, ...], ...] = ()
+    # How many sharding constraints the traced step holds (the user's
+    # `with_sharding_constraint` calls and their derivatives), each read as the identity:
+    # the plan chooses every sharding.
+    sharding_constraints: int = 0
 
 
 class _Builder:
@@ -92,6 +96,7 @@ class _Builder:
         self.grad_leaves: list[tuple[int | None, ...]] = []
         self.boundaries: list[int] = []
         self.notes: list[str] = []
+        self.sharding_constraints = 0
         # Shapes of the `random_bits` equations met, in order; where `batch_draws` says so,
         # the k-th is drawn per micro-batch from the rows in tensor `rows` (`batch_draws`).
         self.draw_shapes: list[tuple[int, ...]] = []
@@ -141,6 +146,7 @@ class _Builder:
                 # values; the plan chooses every sharding, so it is read as one.
                 for v_in, v_out in zip(in_atoms, eqn.outvars):
                     env[v_out] = v_in
+                self.sharding_constraints += 1
                 self._note("with_sharding_constraint in the step: read as the identity "
                            "(the plan chooses every sharding, the user's pins included)")
                 continue
@@ -465,7 +471,8 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
                       in_tree=in_tree, out_tree=out_tree, input_avals=input_avals,
                       fingerprint=_fingerprint(graph), boundaries=tuple(b.boundaries),
                       grad_calls=tuple(calls), notes=tuple(b.notes),
-                      grad_leaves=tuple(b.grad_leaves))
+                      grad_leaves=tuple(b.grad_leaves),
+                      sharding_constraints=b.sharding_constraints)
 
 
 def _bad_key_data(error: Exception, names: Sequence[str], avals: Sequence[Any]) -> TypeError:
@@ -544,7 +551,8 @@ def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
                       out_tree=jax.tree_util.tree_structure(tuple(output_ids)),
                       input_avals=tuple((tuple(a.shape), dtype_name(a.dtype)) for a in structs),
                       fingerprint=_fingerprint(graph), boundaries=tuple(boundaries),
-                      notes=tuple(b.notes), draw_shapes=tuple(b.draw_shapes))
+                      notes=tuple(b.notes), draw_shapes=tuple(b.draw_shapes),
+                      sharding_constraints=b.sharding_constraints)
 
 
 def sink_batch_free_work(traced: TracedStep) -> TracedStep:
