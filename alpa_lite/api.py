@@ -43,6 +43,16 @@ from alpa_lite.runtime.executable import Executable, StepProgram, compile_plan
 from alpa_lite.static_leaves import StaticStep, split_static
 
 
+def _on_resolved(method: Callable) -> Callable:
+    """`method` run by the step that plans and runs its arguments
+    (`ParallelizedStep._resolved`: this one, or that of their array leaves alone)."""
+    @functools.wraps(method)
+    def resolved(self, *args, **kwargs):
+        step, args = self._resolved(args)
+        return method(step, *args, **kwargs)
+    return resolved
+
+
 class ParallelizedStep:
     """A train step with a parallelization method attached (see `parallelize`)."""
 
@@ -114,11 +124,9 @@ class ParallelizedStep:
                         dtype_name(dtype) if dtype is not None else None))
         return treedef, tuple(sig)
 
+    @_on_resolved
     def trace(self, *args) -> TracedStep:
         """Traces the step for these arguments (arrays or ShapeDtypeStructs)."""
-        step, args = self._resolved(args)
-        if step is not self:
-            return step.trace(*args)
         key = self._signature(args)
         if key not in self._traces:
             self._traces[key] = trace(self.fn, args, self.resolve_batch_argnums(len(args)))
@@ -144,12 +152,10 @@ class ParallelizedStep:
         return self.compression is not None and isinstance(m, Manual) and \
             (m.tp > 1 or m.pipelined)
 
+    @_on_resolved
     def parts(self, *args, num_micro_batches: int | None = None) -> StepParts:
         """The step split for pipelining (loss function per micro-batch, apply part), into
         `num_micro_batches` (default: the method's or the fixed plan's)."""
-        step, args = self._resolved(args)
-        if step is not self:
-            return step.parts(*args, num_micro_batches=num_micro_batches)
         m = num_micro_batches or self._micro_batches()
         key = (self._signature(args), m)
         if key not in self._parts:
@@ -159,14 +165,12 @@ class ParallelizedStep:
                                           m, traces)
         return self._parts[key]
 
+    @_on_resolved
     def plan(self, *args, cluster: Cluster | None = None,
              progress: Progress | None = None) -> Plan:
         """Plans the step for these arguments on `cluster` (default: the step's cluster,
         else the local devices). Arguments may be `jax.ShapeDtypeStruct`s. `progress`, if
         given, hears of each planning phase (`alpa_lite.progress`)."""
-        step, args = self._resolved(args)
-        if step is not self:
-            return step.plan(*args, cluster=cluster, progress=progress)
         with fewer_collections():
             return self._plan_for(args, cluster, progress)
 
@@ -456,9 +460,13 @@ class ParallelizedStep:
     def __call__(self, *args):
         step, args = self._resolved(args)
         if step is not self:
-            out = step.fn.restore(step(*args))
+            out = step.fn.restore(step._run(args))
             self._last_compressed = step._last_compressed or self._last_compressed
             return out
+        return self._run(args)
+
+    def _run(self, args: tuple):
+        # `__call__` for arguments already resolved (flattened once per call).
         exe = self._compiled(args)
         if isinstance(exe, CompressedExecutable):
             self._last_compressed = exe
