@@ -33,6 +33,7 @@ from alpa_lite.ir.batch import AuxRule, batch_dims, batch_size
 from alpa_lite.ir.batch_draws import check_drawable
 from alpa_lite.ir.graph import OpGraph, Role, as_dtype, dtype_name, is_key, per_graph
 from alpa_lite.ir.microbatch import check_microbatching, micro_batch_rules
+from alpa_lite.ir.one_example import align_one_example
 from alpa_lite.ir.replay import replay
 from alpa_lite.ir.tracing import (
     TracedStep,
@@ -437,13 +438,32 @@ def _traced_locally(parts: StepParts, replicas: int) -> tuple[TracedStep, float]
         avals.append(jax.ShapeDtypeStruct(shape, as_dtype(tt.dtype)))
         roles.append(tt.role)
         names.append(tt.name)
+    draws = parts.batch_draws
     try:
-        local = loss_trace(parts.traces, parts.call, avals, roles, names,
-                           parts.batch_draws, sunk=True)
+        local = loss_trace(parts.traces, parts.call, avals, roles, names, draws, sunk=True)
     except Exception as e:      # the user's loss may refuse the size in any way
         raise PlanningError(f"the loss function cannot be traced at 1/{replicas} of a "
                             f"micro-batch: {type(e).__name__}: {e}") from None
-    return local, check_microbatching(local, parts.forward, replicas)
+    try:
+        return local, check_microbatching(local, parts.forward, replicas)
+    except PlanningError:
+        if replicas == 1 or not _one_example(avals, parts.batch_inputs):
+            raise
+    # One example per replica: JAX traced it as another program (`ir.one_example`). The
+    # replica runs that trace numbered as the micro-batch's, and the split is proved
+    # between 2 and 2 * replicas examples, as `_proxy_rules` proves micro-batches of one.
+    micro = [jax.ShapeDtypeStruct(tuple(g.tensors[t].shape), as_dtype(g.tensors[t].dtype))
+             for t in operands]
+    aligned = sink_batch_free_work(align_one_example(
+        loss_trace(parts.traces, parts.call, avals, roles, names, draws),
+        loss_trace(parts.traces, parts.call, micro, roles, names, draws)))
+
+    def at(k: int):
+        return loss_trace(parts.traces, parts.call,
+                          [jax.ShapeDtypeStruct((k,) + tuple(a.shape[1:]), a.dtype) if b
+                           else a for a, b in zip(avals, parts.batch_inputs)],
+                          roles, names, draws)
+    return aligned, check_microbatching(at(2), at(2 * replicas), replicas)
 
 
 # ---- stages ---------------------------------------------------------------------------------
@@ -672,6 +692,41 @@ def stage_program(forward: TracedStep, start: int, stop: int,
         fwd_nodes=fwd, bwd_nodes=bwd, remat_nodes=remat, residuals=residuals,
         structure=structure, cuts=inner)
     return known[structure]
+
+
+_ALIGNED: "weakref.WeakKeyDictionary[OpGraph, weakref.WeakKeyDictionary]" = \
+    weakref.WeakKeyDictionary()
+
+
+def local_stage_program(parts: StepParts, prog: StageProgram, replicas: int
+                        ) -> tuple[StageProgram, float]:
+    """Stage `prog` as one of `replicas` data-parallel replicas runs it, on its share of
+    each micro-batch, with the scale of its loss (`local_forward`). Node and tensor ids are
+    `prog`'s: the runtime feeds the replica the stage's own forward values by them.
+
+    With one example per replica JAX may trace the range's `jax.vjp` as another program
+    (it forwards a broadcast to the shape the value already has): the replica's program
+    is then aligned to `prog`'s by `ir.one_example`, keeping `prog`'s partition of it into
+    forward, backward and residuals.
+
+    Raises:
+      PlanningError: the micro-batch does not split so, splitting it changes the loss, or
+        the replica's program is not the stage's at a smaller batch.
+    """
+    local_fwd, scale = local_forward(parts, replicas)
+    local = stage_program(local_fwd, prog.start, prog.stop, prog.cuts)
+    g, gl = prog.fb.graph, local.fb.graph
+    if len(g.nodes) == len(gl.nodes) and len(g.tensors) == len(gl.tensors) and all(
+            (a.primitive, a.inputs, a.outputs) == (b.primitive, b.inputs, b.outputs)
+            for a, b in zip(g.nodes, gl.nodes)):
+        return local, scale
+    known = _ALIGNED.setdefault(gl, weakref.WeakKeyDictionary())
+    if g not in known:
+        try:
+            known[g] = dataclasses.replace(prog, fb=align_one_example(local.fb, prog.fb))
+        except PlanningError as e:
+            known[g] = detached(e)
+    return kept_answer(known[g]), scale
 
 
 def _range_vjp(forward: TracedStep, node_ids, params, acts, diff_acts, outs, diff_outs):

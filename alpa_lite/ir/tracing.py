@@ -469,7 +469,7 @@ def trace(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
     return TracedStep(graph=graph, primitives=tuple(b.primitives),
                       literals=MappingProxyType(b.literals), consts=MappingProxyType(b.consts),
                       in_tree=in_tree, out_tree=out_tree, input_avals=input_avals,
-                      fingerprint=_fingerprint(graph), boundaries=tuple(b.boundaries),
+                      fingerprint=graph_fingerprint(graph), boundaries=tuple(b.boundaries),
                       grad_calls=tuple(calls), notes=tuple(b.notes),
                       grad_leaves=tuple(b.grad_leaves),
                       sharding_constraints=b.sharding_constraints)
@@ -550,7 +550,7 @@ def trace_flat(fn: Callable, avals: Sequence[Any], roles: Sequence[Role],
                       in_tree=jax.tree_util.tree_structure(tuple(structs)),
                       out_tree=jax.tree_util.tree_structure(tuple(output_ids)),
                       input_avals=tuple((tuple(a.shape), dtype_name(a.dtype)) for a in structs),
-                      fingerprint=_fingerprint(graph), boundaries=tuple(boundaries),
+                      fingerprint=graph_fingerprint(graph), boundaries=tuple(boundaries),
                       notes=tuple(b.notes), draw_shapes=tuple(b.draw_shapes),
                       sharding_constraints=b.sharding_constraints)
 
@@ -614,7 +614,7 @@ def sink_batch_free_work(traced: TracedStep) -> TracedStep:
         traced, graph=graph, primitives=tuple(traced.primitives[old] for old in order),
         literals=MappingProxyType({(pos[n], p): v for (n, p), v in traced.literals.items()}),
         boundaries=tuple(sorted(set(b for b in boundaries if 0 < b < len(order)))),
-        fingerprint=_fingerprint(graph))
+        fingerprint=graph_fingerprint(graph))
 
 
 def _build(closed, roles: Sequence[Role], names: Sequence[str], distinct_outputs: bool,
@@ -741,7 +741,8 @@ def _leaf_sig(x) -> tuple[tuple[int, ...], str]:
     return tuple(np.shape(x)), dtype_name(dtype if dtype is not None else np.asarray(x).dtype)
 
 
-def _fingerprint(graph: OpGraph) -> str:
+def graph_fingerprint(graph: OpGraph) -> str:
+    """A hash of the graph's structure: shapes, dtypes and roles, operators and wiring."""
     h = hashlib.sha256()
     for t in graph.tensors:
         h.update(f"{t.shape}{t.dtype}{t.role.value}".encode())

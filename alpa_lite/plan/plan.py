@@ -147,6 +147,11 @@ class StagePlan:
     accumulate_axes: tuple[str, ...] = ()
     local_loss_scale: float = 1.0
     accumulate_note: str = ""
+    # (backward tensor id, batch dimension) of each value that enters the per-replica
+    # backward with other size-1 dimensions than the stage's (JAX traces a replica's one
+    # example so, `ir.one_example`): each replica takes its slice along that dimension and
+    # reshapes it to its program's shape (the same elements, in the same order).
+    accumulate_reshapes: tuple[tuple[int, int], ...] = ()
     # The whole-stage memory estimate per device (`planning.memory`); `peak_memory_bytes`
     # is its total. None: a plan made without one (read from an older JSON).
     memory: MemoryEstimate | None = None
@@ -500,6 +505,7 @@ def _stage_to_obj(s: StagePlan) -> dict[str, Any]:
         "accumulate_axes": list(s.accumulate_axes),
         "local_loss_scale": float(s.local_loss_scale),
         "accumulate_note": s.accumulate_note,
+        "accumulate_reshapes": [list(r) for r in s.accumulate_reshapes],
     } | ({} if s.memory is None else {"memory": s.memory.to_json()}) \
       | ({} if s.exchange is None else {"exchange": s.exchange.to_json()})
 
@@ -525,6 +531,8 @@ def _stage_from_obj(o: dict[str, Any]) -> StagePlan:
         accumulate_axes=tuple(str(a) for a in o["accumulate_axes"]),
         local_loss_scale=float(o["local_loss_scale"]),
         accumulate_note=str(o["accumulate_note"]),
+        accumulate_reshapes=tuple((int(t), int(d))
+                                  for t, d in o.get("accumulate_reshapes", ())),
         memory=MemoryEstimate.from_json(o["memory"]) if o.get("memory") is not None else None,
         exchange=StageExchange.from_json(o["exchange"]) if o.get("exchange") is not None
         else None,

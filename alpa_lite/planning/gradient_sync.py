@@ -8,7 +8,7 @@ device sums its own partial gradients over the micro-batches and the stage reduc
 once after its last backward, as Megatron, DeepSpeed and Alpa do.
 
 Each replica replays the stage program traced at its share of the micro-batch
-(`ir.step_parts.local_forward`, which also proves the split keeps the loss exact) on its
+(`ir.step_parts.local_stage_program`, which also proves the split keeps the loss exact) on its
 slice of what enters the backward. That sums to the plan's backward when every value
 crossing into or out of it is sliced along its batch dimension, or holds no batch at all
 (`splits_only_batch` says which value breaks it, e.g. a layer's auxiliary loss term
@@ -44,11 +44,11 @@ from alpa_lite.cost_models.overlap import (
 from alpa_lite.errors import PlanningError
 from alpa_lite.ir.batch import batch_dims
 from alpa_lite.ir.graph import OpGraph, Role, per_graph
+from alpa_lite.ir.one_example import without_ones
 from alpa_lite.ir.step_parts import (
     StageProgram,
     StepParts,
-    local_forward,
-    stage_program,
+    local_stage_program,
 )
 from alpa_lite.plan import (
     Accumulation,
@@ -103,11 +103,21 @@ def batch_axes(prog: StageProgram, stage: StagePlan,
     return found or ()
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaSplit:
+    """Whether a stage's backward can run per replica (`splits_only_batch`)."""
+    refused: str | None                      # why not; None: it can
+    # (fb tensor id, batch dimension) of each value that enters the replica's program with
+    # other size-1 dimensions than the stage's: the replica reshapes its slice along that
+    # dimension (`StagePlan.accumulate_reshapes`).
+    reshaped: tuple[tuple[int, int], ...] = ()
+
+
 def splits_only_batch(parts: StepParts, prog: StageProgram, local: StageProgram,
                       stage: StagePlan, mesh: LogicalMesh, axes: tuple[str, ...],
-                      fwd_bdims: Mapping[int, int]) -> str | None:
-    """None when the stage's backward, run per replica over `axes`, sums to the backward
-    the plan runs; else why not.
+                      fwd_bdims: Mapping[int, int]) -> ReplicaSplit:
+    """Whether the stage's backward, run per replica over `axes`, sums to the backward
+    the plan runs (`ReplicaSplit.refused` None), or why not.
 
     Each replica runs the program traced at its share of the micro-batch on its slice of
     what enters the backward, the slice along the tensor's batch dimension, which must be
@@ -119,10 +129,12 @@ def splits_only_batch(parts: StepParts, prog: StageProgram, local: StageProgram,
     `local_loss_scale`. What leaves (the
     gradients) must be split as the plan says: over `axes`, major-most, on the batch
     dimension, and on no other; what enters may also be whole over `axes`, since slicing
-    a replicated value moves nothing."""
+    a replicated value moves nothing. A value the replica's program holds with other
+    size-1 dimensions (one example per replica) enters reshaped (`ReplicaSplit.reshaped`);
+    one that leaves so is refused."""
     g, gl = prog.fb.graph, local.fb.graph
     if len(g.tensors) != len(gl.tensors) or len(g.nodes) != len(gl.nodes):
-        return "the program traced per replica has another structure"
+        return ReplicaSplit("the program traced per replica has another structure")
     replicas = math.prod(mesh.axis_size(a) for a in axes)
     spec: dict[int, TensorSpec] = dict(stage.tensor_specs)
     spec.update(zip(g.inputs, stage.input_specs))
@@ -144,32 +156,47 @@ def splits_only_batch(parts: StepParts, prog: StageProgram, local: StageProgram,
         if any(t in dep for t in node.inputs if t is not None):
             dep.update(node.outputs)
     leaving = set(prog.fb_param_grads) | set(prog.fb_act_grads)
+    reshaped: list[tuple[int, int]] = []
     entering = set(g.inputs) | (set() if stage.remat else set(prog.residuals))
     for t in g.tensors:
         if t.id not in leaving and t.id not in entering:
             continue
         shape, lshape = tuple(t.shape), tuple(gl.tensors[t.id].shape)
         if len(shape) != len(lshape):
-            return f"{t.name} changes rank per replica"
+            # The replica's program holds it with other size-1 dimensions (JAX traced one
+            # example so, `ir.one_example`): the replica reshapes its slice along the batch
+            # dimension, which holds the same elements in the same order.
+            d = bdim.get(t.id)
+            if t.id in leaving or d is None or shape[d] % replicas:
+                return ReplicaSplit(f"{t.name} changes rank per replica")
+            sliced = shape[:d] + (shape[d] // replicas,) + shape[d + 1:]
+            if without_ones(sliced) != without_ones(lshape):
+                return ReplicaSplit(f"{t.name} changes rank per replica")
+            reshaped.append((t.id, d))
+            lshape = sliced
         shrunk = [i for i, (a, b) in enumerate(zip(shape, lshape)) if a != b]
         if not shrunk and t.id in dep and t.id in entering:
-            return f"{t.name} {list(shape)} has no batch dimension but depends on the batch"
+            return ReplicaSplit(f"{t.name} {list(shape)} has no batch dimension but "
+                                "depends on the batch")
         if len(shrunk) > 1 or shrunk and shape[shrunk[0]] != lshape[shrunk[0]] * replicas:
-            return f"{t.name} {list(shape)} does not split evenly over {replicas} replicas"
+            return ReplicaSplit(f"{t.name} {list(shape)} does not split evenly over "
+                                f"{replicas} replicas")
         if shrunk and t.id in dep and shrunk != [bdim.get(t.id)]:
             # (A value broadcast to the batch size without depending on the batch, such
             # as a causal mask, is the same in every slice.)
-            return f"{t.name} {list(shape)} does not split along its batch dimension"
+            return ReplicaSplit(f"{t.name} {list(shape)} does not split along its batch "
+                                "dimension")
         s = spec.get(t.id, TensorSpec.replicated(len(shape)))
         for i, dims in enumerate(s.dims):
             on_axes = any(a in axes for a in dims)
             if i not in shrunk:
                 if on_axes:
-                    return f"{t.name} is split over {axes} on a dimension that is not the batch"
+                    return ReplicaSplit(f"{t.name} is split over {axes} on a dimension "
+                                        "that is not the batch")
             elif tuple(dims[:len(axes)]) != axes and (t.id in leaving or on_axes):
-                return (f"{t.name} {list(shape)} is not split over {axes} on its batch "
-                        f"dimension (spec {s.dims})")
-    return None
+                return ReplicaSplit(f"{t.name} {list(shape)} is not split over {axes} on "
+                                    f"its batch dimension (spec {s.dims})")
+    return ReplicaSplit(None, tuple(reshaped))
 
 
 @per_graph
@@ -209,13 +236,15 @@ def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
         return int(tt.nbytes // out_spec[t].num_shards(mesh))
 
     axes = batch_axes(prog, stage, fwd_bdims)
+    reshaped: tuple[tuple[int, int], ...] = ()
     why = "one micro-batch" if m == 1 else \
         "the stage's inputs do not split the batch over one set of mesh axes"
     if axes and (m > 1 or exchange is not None):
         try:
-            local_fwd, scale = local_forward(parts, math.prod(mesh.axis_size(a) for a in axes))
-            local = stage_program(local_fwd, prog.start, prog.stop, prog.cuts)
-            why = splits_only_batch(parts, prog, local, stage, mesh, axes, fwd_bdims)
+            local, scale = local_stage_program(parts, prog,
+                                               math.prod(mesh.axis_size(a) for a in axes))
+            split = splits_only_batch(parts, prog, local, stage, mesh, axes, fwd_bdims)
+            why, reshaped = split.refused, split.reshaped
         except PlanningError as e:
             why = str(e)
     if exchange is not None and (why is not None or not axes):
@@ -290,7 +319,8 @@ def stage_sync(parts: StepParts, planned: PlannedStage, cluster: Cluster,
     new = dataclasses.replace(
         stage, collectives=collective_summaries(kept), comm_s=stage.comm_s - dropped,
         forward_s=max(forward, 0.0), backward_s=max(backward, 0.0),
-        total_s=stage.total_s - dropped, accumulate_axes=axes, local_loss_scale=scale)
+        total_s=stage.total_s - dropped, accumulate_axes=axes, local_loss_scale=scale,
+        accumulate_reshapes=reshaped)
     dense = StageSync(new, records, reduce_s)
     if exchange is None:
         return dense

@@ -33,7 +33,7 @@ from alpa_lite.ir.replay import replay
 from alpa_lite.ir.step_parts import (
     StageProgram,
     StepParts,
-    local_forward,
+    local_stage_program,
     param_homes,
     stage_program,
 )
@@ -112,19 +112,36 @@ class _Stage:
             self.reduce = None
         else:
             replicas = self.replicas = math.prod(self.mesh.shape[a] for a in self.axes)
-            local = stage_program(local_forward(parts, replicas)[0], prog.start, prog.stop,
-                                  prog.cuts)
+            local = local_stage_program(parts, prog, replicas)[0]
             lfb = local.fb.graph
             auto = lambda s: _auto_spec(s, self.axes)         # noqa: E731
 
+            reshaped = dict(stage.accumulate_reshapes)
+
             def manual(t: int) -> PartitionSpec:
                 # A replica's share: its slice of the one dimension that shrinks per
-                # replica (the plan checked it is split over the axes there, or whole).
+                # replica (the plan checked it is split over the axes there, or whole),
+                # or of the batch dimension the plan names for a value the replica's
+                # program holds with other size-1 dimensions.
                 full, part = fb.tensors[t].shape, lfb.tensors[t].shape
+                if t in reshaped:
+                    return PartitionSpec(*[self.axes if i == reshaped[t] else None
+                                           for i in range(len(full))])
                 return PartitionSpec(*[self.axes if a != b else None
                                        for a, b in zip(full, part)])
-            body = backward_of(local, {t: auto(s) for t, s in stage.tensor_specs if s.rank},
-                               {(n, p): auto(s) for n, p, s in stage.operand_specs if s.rank})
+
+            def fitted(ts, xs):
+                return [x.reshape(lfb.tensors[t].shape) if t in reshaped else x
+                        for t, x in zip(ts, xs)]
+
+            # (At one example per replica a value may have another rank in the replica's
+            # program, `ir.one_example`: its sharding constraint is the partitioner's then.)
+            def kept(t: int, s) -> bool:
+                return s.rank and s.rank == len(lfb.tensors[t].shape)
+            body = backward_of(
+                local, {t: auto(s) for t, s in stage.tensor_specs if kept(t, s)},
+                {(n, p): auto(s) for n, p, s in stage.operand_specs
+                 if kept(lfb.nodes[n].inputs[p], s)})
 
             # An activation without the batch in it (e.g. a layer's auxiliary loss term)
             # gets a partial cotangent from each replica: they are summed here, as the
@@ -132,8 +149,11 @@ class _Stage:
             whole = [not any(a != b for a, b in zip(fb.tensors[t].shape, lfb.tensors[t].shape))
                      for t in prog.fb_act_grads]
 
-            def stacked(*args):
-                g_params, g_acts = body(*args)
+            def stacked(params, acts, residuals, cts):
+                g_params, g_acts = body(
+                    fitted(prog.fb_params, params), fitted(prog.fb_acts, acts),
+                    fitted([] if remat else prog.residuals, residuals),
+                    fitted(prog.fb_cts, cts))
                 g_acts = [_psum(g, self.axes) if w else g for g, w in zip(g_acts, whole)]
                 return [g[None] for g in g_params], g_acts
 
