@@ -26,10 +26,12 @@ scores that a fused kernel never writes), the planner makes the Manual plan with
 the table marks those rows.
 
 Rows where alpa_lite would run the configuration differently from the published run are
-shown but left out of the statistics: with micro-batches of one example per replica, its
-pipeline stages reduce gradients in every micro-batch's backward instead of once per step
-(`StagePlan.accumulate_note`; issue 8 lifts this), which the estimate prices as it runs;
-a row counts as such where those reductions are over 5% of its estimated step.
+shown but left out of the statistics: where a pipeline stage cannot accumulate gradients
+per replica, it reduces them in every micro-batch's backward instead of once per step
+(`StagePlan.accumulate_note` says why), which the estimate prices as it runs; a row counts
+as such where those reductions are over 5% of its estimated step. (Micro-batches of one
+example per replica, SC21's 175B, 530B and 1T rows, were such rows until the replica's
+one-example trace was aligned to the micro-batch's, `alpa_lite.ir.one_example`.)
 
 Spearman's rank correlation is reported over all comparable rows and within each model
 (rows of one model on different plans or cluster sizes).
@@ -149,8 +151,8 @@ def plan_row(row: dict, verdict: Verdict) -> dict:
     wall = time.perf_counter() - t0
     published = row["iteration_time_s"]
     est = plan.step_time_s
-    # Where a stage cannot accumulate gradients locally (micro-batches of one example per
-    # replica), alpa_lite reduces them in every micro-batch's backward: a different, slower
+    # Where a stage cannot accumulate gradients locally (`StagePlan.accumulate_note` says
+    # why), alpa_lite reduces them in every micro-batch's backward: a different, slower
     # run than the published one, which reduced once per step, where those reductions
     # weigh (over 5% of the step; a tp-only stage's few replicated norms do not).
     per_micro_batch_s = sum(g.time_s for g in plan.gradient_sync

@@ -1,22 +1,35 @@
 """The loss traced at one example, numbered as the trace at a larger batch.
 
-JAX's NumPy layer skips work that is the identity at the shapes it is called with:
-`jnp.broadcast_to(positions[None], (B, T))` binds no `broadcast_in_dim` when B is 1, and
-`x.reshape(shape)` binds no `reshape` when `shape` is already x's. A trace at one example
-therefore can lack operators that the trace at two or more examples has, and it can give
-an operator's result another rank (`jnp.take_along_axis` reshapes its indices by the
-shape it is given), though it computes the same function. Hugging Face's Flax models, an
-Equinox transformer and Flax's scanned layers all trace so.
+JAX skips work that is the identity at the shapes it is given, and the shapes of one
+example make more of it the identity: `jnp.broadcast_to(positions[None], (B, T))` binds no
+`broadcast_in_dim` when B is 1, `jnp.take_along_axis` indexes one example without
+expanding its indices, the gradient of `x + bias[None]` needs no sum over the batch, and
+the transpose of a broadcast sums over the operand's size-1 dimensions too and puts them
+back. A trace at one example is therefore another program than the trace at two or more,
+though it computes the same function. Hugging Face's Flax models, Equinox and Flax
+transformers, and our own GPT all trace so (forward, and the more so their `jax.vjp`).
 
 A data-parallel replica of a pipeline stage whose share of a micro-batch is one example
-still runs the micro-batch's stage plan, whose shardings and stage cuts name the
-micro-batch trace's node and tensor ids. `align_one_example` makes the one-example trace
-carry those ids: it walks the micro-batch trace's operators in order and pairs each with
-the next operator of the one-example trace (same primitive, operands that correspond);
-where the one-example trace skipped a `broadcast_in_dim` or `reshape` whose operand
-already has the result's rank, it puts that operator back, now binding the identity at the
-one-example shape. Anything else is refused, so the result is the one-example trace's own
-program, operator for operator, with the identities JAX skipped made explicit.
+still runs the micro-batch's stage plan, whose stage cuts, shardings and residuals name
+the micro-batch trace's node and tensor ids. `align_one_example` makes the one-example
+trace carry those ids. It walks the micro-batch trace's operators in order against the
+one-example trace's and, for each, takes the first that applies:
+
+- a reduction whose one-example counterpart sums over more, size-1, dimensions and puts
+  them back: the micro-batch's reduction, bound at one example (`_unit_reduction`);
+- a sum over dimensions of size 1 at one example, put back as size 1 (a broadcast's
+  transpose), which the one-example trace skips: both bound at one example, the identity
+  (`_skipped_unbroadcast`);
+- the next one-example operator, of the same primitive, on operands that correspond: it,
+  with its own parameters (`_pairing`);
+- a `broadcast_in_dim` or `reshape` the one-example trace skipped (`_skipped_identity`):
+  bound at one example as the identity.
+
+Anything else is refused. Every operator of the result is either the one-example trace's
+own or an identity at one example, so the result computes what the one-example trace
+computes, operator for operator. A value may still have another rank than in the
+micro-batch trace (size-1 dimensions dropped or added): `planning.gradient_sync` lets such
+a value only enter a replica's backward, reshaped (`StagePlan.accumulate_reshapes`).
 """
 
 from __future__ import annotations

@@ -404,7 +404,8 @@ def local_forward(parts: StepParts, replicas: int) -> tuple[TracedStep, float]:
     """The loss function traced at 1/`replicas` of the micro-batch (what one data-parallel
     replica computes), and the scale that turns a replica's loss into its share of the
     micro-batch loss (1/replicas for a mean, 1.0 for a sum). Node and tensor ids equal the
-    micro-batch trace's, so a stage plan's specs apply to it.
+    micro-batch trace's, so a stage plan's specs apply to it (with one example per
+    replica, whose trace JAX makes another program, by `ir.one_example`).
 
     Raises:
       PlanningError: the micro-batch does not split so, or splitting it changes the loss.
@@ -452,18 +453,17 @@ def _traced_locally(parts: StepParts, replicas: int) -> tuple[TracedStep, float]
     # One example per replica: JAX traced it as another program (`ir.one_example`). The
     # replica runs that trace numbered as the micro-batch's, and the split is proved
     # between 2 and 2 * replicas examples, as `_proxy_rules` proves micro-batches of one.
-    micro = [jax.ShapeDtypeStruct(tuple(g.tensors[t].shape), as_dtype(g.tensors[t].dtype))
-             for t in operands]
-    aligned = sink_batch_free_work(align_one_example(
-        loss_trace(parts.traces, parts.call, avals, roles, names, draws),
-        loss_trace(parts.traces, parts.call, micro, roles, names, draws)))
-
     def at(k: int):
         return loss_trace(parts.traces, parts.call,
                           [jax.ShapeDtypeStruct((k,) + tuple(a.shape[1:]), a.dtype) if b
                            else a for a, b in zip(avals, parts.batch_inputs)],
                           roles, names, draws)
-    return aligned, check_microbatching(at(2), at(2 * replicas), replicas)
+    scale = check_microbatching(at(2), at(2 * replicas), replicas)
+    micro = [jax.ShapeDtypeStruct(tuple(g.tensors[t].shape), as_dtype(g.tensors[t].dtype))
+             for t in operands]
+    return sink_batch_free_work(align_one_example(
+        loss_trace(parts.traces, parts.call, avals, roles, names, draws),
+        loss_trace(parts.traces, parts.call, micro, roles, names, draws))), scale
 
 
 # ---- stages ---------------------------------------------------------------------------------

@@ -156,6 +156,8 @@ def splits_only_batch(parts: StepParts, prog: StageProgram, local: StageProgram,
         if any(t in dep for t in node.inputs if t is not None):
             dep.update(node.outputs)
     leaving = set(prog.fb_param_grads) | set(prog.fb_act_grads)
+    fwd = parts.forward.graph
+    grad_of = {t: fwd.tensors[p].name for t, p in zip(prog.fb_param_grads, prog.params)}
     reshaped: list[tuple[int, int]] = []
     entering = set(g.inputs) | (set() if stage.remat else set(prog.residuals))
     for t in g.tensors:
@@ -190,6 +192,11 @@ def splits_only_batch(parts: StepParts, prog: StageProgram, local: StageProgram,
         for i, dims in enumerate(s.dims):
             on_axes = any(a in axes for a in dims)
             if i not in shrunk:
+                if on_axes and t.id in grad_of:
+                    # (A replica would accumulate the whole gradient where the plan keeps
+                    # a 1/replicas shard: the stage's memory estimate does not hold it.)
+                    return ReplicaSplit(f"the gradient of {grad_of[t.id]} is sharded over "
+                                        f"{axes} (reduce-scattered in each backward)")
                 if on_axes:
                     return ReplicaSplit(f"{t.name} is split over {axes} on a dimension "
                                         "that is not the batch")
