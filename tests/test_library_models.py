@@ -144,8 +144,13 @@ def test_hf_gpt2_with_dropout_in_a_pipeline_matches_jit():
 
     args = (params, tx.init(params), dict(lm.token_batch(8), key=jax.random.PRNGKey(3)))
     ref = jax.jit(step)(*args)
-    out = al.parallelize(step, method=PLANS["dp4_pp2_m2"])(*args)
+    pipelined = al.parallelize(step, method=PLANS["dp4_pp2_m2"])
+    out = pipelined(*args)
     np.testing.assert_allclose(out[2], ref[2], rtol=1e-5)
+    # Each replica holds one example and draws its own rows' masks: the last stage still
+    # accumulates per replica (`ir.one_example`; the first holds the tied embedding's
+    # cotangent, which has no batch dimension).
+    assert pipelined.plan(*args).stages[1].accumulate_axes == ("dp",)
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
