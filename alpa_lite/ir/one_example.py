@@ -229,7 +229,7 @@ def _skipped_unbroadcast(mn: Node, nxt: Node | None, to_local: dict[int, int],
         return None
     result = gm.tensors[nxt.outputs[0]]
     if result.dtype != operand.dtype or len(result.shape) != len(operand.shape) or \
-            any(b % a for a, b in zip(operand.shape, result.shape)):
+            any(a == 0 or b % a for a, b in zip(operand.shape, result.shape)):
         return None
     return tuple(d for a, d in enumerate(operand.shape) if a not in axes)
 

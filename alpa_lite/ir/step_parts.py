@@ -679,7 +679,8 @@ def stage_program(forward: TracedStep, start: int, stop: int,
     fb = _chained([stage_program(forward, a, b) for a, b in zip(bounds, bounds[1:])],
                   params, acts, diff_acts, outs, diff_outs) if inner else \
         _range_vjp(forward, range(start, stop), params, acts, diff_acts, outs, diff_outs)
-    avals = [g.tensors[t] for t in params + acts] + [g.tensors[t] for t, d in zip(outs, diff_outs) if d]
+    avals = [g.tensors[t] for t in params + acts] + \
+        [g.tensors[t] for t, d in zip(outs, diff_outs) if d]
     roles = [Role.PARAM] * len(params) + [Role.BATCH] * (len(avals) - len(params))
     names = [g.tensors[t].name for t in params + acts] + \
         [f"d/{g.tensors[t].name}" for t, d in zip(outs, diff_outs) if d]

@@ -5,8 +5,8 @@ solver wall time are kept beside it in `stats`, which is not serialised, so the 
 always give the same JSON). `explanation` is serialised: the few alternatives the planner
 weighed against its choice (for `alpa-lite explain`) and, from the CLI, how to rebuild the
 step; it is absent (no JSON key) where there is nothing to record. Tensor ids in a stage
-refer to the traced program whose fingerprint the plan carries; the runtime refuses a plan whose fingerprint, argument
-signature or cluster differ from what it is given.
+refer to the traced program whose fingerprint the plan carries; the runtime refuses a
+plan whose fingerprint, argument signature or cluster differ from what it is given.
 """
 
 from __future__ import annotations

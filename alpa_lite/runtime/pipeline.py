@@ -137,7 +137,7 @@ class _Stage:
             # (At one example per replica a value may have another rank in the replica's
             # program, `ir.one_example`: its sharding constraint is the partitioner's then.)
             def kept(t: int, s) -> bool:
-                return s.rank and s.rank == len(lfb.tensors[t].shape)
+                return bool(s.rank) and s.rank == len(lfb.tensors[t].shape)
             body = backward_of(
                 local, {t: auto(s) for t, s in stage.tensor_specs if kept(t, s)},
                 {(n, p): auto(s) for n, p, s in stage.operand_specs
