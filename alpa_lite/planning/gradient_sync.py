@@ -352,24 +352,30 @@ _PASS_THROUGH = frozenset({"add", "add_any", "convert_element_type", "transpose"
                            "copy", "copy_p", "squeeze", "broadcast_in_dim", "reduce_sum"})
 
 
-def grad_reduction_ops(graph: OpGraph, by_node: Mapping[int, tuple], tid: int
-                       ) -> list[tuple[int, CollectiveOp]]:
-    """The collectives that reduce one gradient where it is formed, with the node running
-    each: those at its producer and at the pass-through operators feeding only it."""
+def gradient_nodes(graph: OpGraph, tid: int) -> list[int]:
+    """The operators that form one gradient, where a plan reduces it: its producer and the
+    pass-through operators feeding only it."""
     found, stack, seen = [], [graph.producer(tid)], set()
     while stack:
         n = stack.pop()
         if n is None or n in seen:
             continue
         seen.add(n)
-        found += [(n, c) for c in by_node.get(n, ())
-                  if c.kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)]
+        found.append(n)
         node = graph.nodes[n]
         if node.primitive in _PASS_THROUGH or n == graph.producer(tid):
             for u in node.inputs:
                 if u is not None and len(graph.consumers(u)) == 1:
                     stack.append(graph.producer(u))
     return found
+
+
+def grad_reduction_ops(graph: OpGraph, by_node: Mapping[int, tuple], tid: int
+                       ) -> list[tuple[int, CollectiveOp]]:
+    """The collectives that reduce one gradient where it is formed, with the node running
+    each (`gradient_nodes`)."""
+    return [(n, c) for n in gradient_nodes(graph, tid) for c in by_node.get(n, ())
+            if c.kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)]
 
 
 def grad_reduction(graph: OpGraph, by_node: Mapping[int, tuple], tid: int,

@@ -23,7 +23,7 @@ from typing import Mapping
 
 import numpy as np
 
-from alpa_lite.cost_models.cluster import Cluster
+from alpa_lite.cost_models.cluster import Cluster, CollectiveKind
 from alpa_lite.errors import MemoryBudgetError, PlanningError
 from alpa_lite.ir.graph import OpGraph, Role, Tensor, per_graph
 from alpa_lite.plan import CollectiveSummary, StagePlan
@@ -137,6 +137,18 @@ def _live_at_peak(graph: OpGraph) -> frozenset[int]:
 
 
 @dataclasses.dataclass(frozen=True)
+class AmortizedReductions:
+    """Gradient reductions a stage runs once per step, not per micro-batch: it accumulates
+    its gradients per replica over `axes` (`planning.gradient_sync`). In the objective the
+    all-reduces over those axes at `nodes` (the operators that form a parameter gradient)
+    weigh `weight` (1/m) of their time, so that the layout is not chosen to avoid m
+    reductions that run once; the plan's own costs stay what each collective takes."""
+    nodes: frozenset[int]
+    axes: tuple[str, ...]
+    weight: float
+
+
+@dataclasses.dataclass(frozen=True)
 class StageOptions:
     """How a stage's intra-op problem is built and solved.
 
@@ -149,6 +161,7 @@ class StageOptions:
         model's repeated layers) one shared choice; see `repeated_group_classes`.
       param_memory_factor: bytes counted per parameter byte in the memory model (e.g. 4 for
         a parameter, its gradient and Adam's two moments, which live as long as it does).
+      amortized: gradient reductions that run once per step (`AmortizedReductions`).
     """
     pin: InputPin | None = None
     node_pin: NodePin | None = None
@@ -157,6 +170,7 @@ class StageOptions:
     tensor_names: Mapping[int, str] | None = None
     tie_repeated: bool = True
     param_memory_factor: float = 1.0
+    amortized: AmortizedReductions | None = None
 
 
 def plan_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster,
@@ -204,6 +218,8 @@ def build_stage(graph: OpGraph, mesh: LogicalMesh, cluster: Cluster,
     follow = follow_targets(graph, units)
     groups, group_of = build_groups(graph, units, follow, cache)
     off = units.offset
+    if options.amortized is not None:
+        _amortize(groups, units, options.amortized)
 
     # Memory per group strategy: per-device bytes of its members' tensors live at the peak.
     live = _live_at_peak(graph)
@@ -410,6 +426,21 @@ class BuiltStage:
                            min_memory_bytes=self.min_memory_bytes,
                            node_collectives=tuple(sorted(by_node.items())),
                            node_compute_s=node_compute)
+
+
+def _amortize(groups: list[Group], units: Units, amortized: AmortizedReductions) -> None:
+    """Each group's cost with the all-reduces of `amortized` at its members charged at
+    `amortized.weight` of their time (new cost arrays: the memo's are shared)."""
+    axes, off = set(amortized.axes), units.offset
+    for g in groups:
+        for u in g.members:
+            if u < off or u - off not in amortized.nodes:
+                continue
+            saved = np.array([sum(c.time_s for c in st.collectives
+                                  if c.kind is CollectiveKind.ALL_REDUCE and set(c.axes) <= axes)
+                              for st in units.strategies[u]])
+            if saved.any():
+                g.cost = g.cost - (1.0 - amortized.weight) * saved[np.asarray(g.choice[u])]
 
 
 def _tied_problem(graph, units, groups, edges, cls, memory_budget_bytes) -> ShardingProblem:
