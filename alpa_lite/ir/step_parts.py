@@ -389,12 +389,18 @@ def _proxy_rules(traces: SplitTraces, call, avals, batch_inputs, roles, names, m
     change; a loss that refuses there is refused with that trace's reason.
     """
     def at(k: int):
-        return loss_trace(traces, call,
-                          [jax.ShapeDtypeStruct((k,) + tuple(a.shape[1:]) if b else
-                                                tuple(a.shape), a.dtype)
-                           for a, b in zip(avals, batch_inputs)], roles, names, draws)
+        return _traced_at(traces, call, avals, batch_inputs, roles, names, draws, k)
 
     return micro_batch_rules(at(2), at(2 * m), m, **(rules or {}))
+
+
+def _traced_at(traces: SplitTraces, call, avals, batch_inputs, roles, names, draws,
+               k: int) -> TracedStep:
+    """The loss traced with `k` examples in each batch leaf (`loss_trace`)."""
+    return loss_trace(traces, call,
+                      [jax.ShapeDtypeStruct((k,) + tuple(a.shape[1:]) if b else
+                                            tuple(a.shape), a.dtype)
+                       for a, b in zip(avals, batch_inputs)], roles, names, draws)
 
 
 _LOCAL_FORWARDS: "weakref.WeakKeyDictionary[StepParts, dict]" = weakref.WeakKeyDictionary()
@@ -454,10 +460,8 @@ def _traced_locally(parts: StepParts, replicas: int) -> tuple[TracedStep, float]
     # replica runs that trace numbered as the micro-batch's, and the split is proved
     # between 2 and 2 * replicas examples, as `_proxy_rules` proves micro-batches of one.
     def at(k: int):
-        return loss_trace(parts.traces, parts.call,
-                          [jax.ShapeDtypeStruct((k,) + tuple(a.shape[1:]), a.dtype) if b
-                           else a for a, b in zip(avals, parts.batch_inputs)],
-                          roles, names, draws)
+        return _traced_at(parts.traces, parts.call, avals, parts.batch_inputs, roles, names,
+                          draws, k)
     scale = check_microbatching(at(2), at(2 * replicas), replicas)
     micro = [jax.ShapeDtypeStruct(tuple(g.tensors[t].shape), as_dtype(g.tensors[t].dtype))
              for t in operands]
@@ -717,16 +721,18 @@ def local_stage_program(parts: StepParts, prog: StageProgram, replicas: int
     local_fwd, scale = local_forward(parts, replicas)
     local = stage_program(local_fwd, prog.start, prog.stop, prog.cuts)
     g, gl = prog.fb.graph, local.fb.graph
-    if len(g.nodes) == len(gl.nodes) and len(g.tensors) == len(gl.tensors) and all(
-            (a.primitive, a.inputs, a.outputs) == (b.primitive, b.inputs, b.outputs)
-            for a, b in zip(g.nodes, gl.nodes)):
-        return local, scale
+    # (Once per pair of programs: every candidate plan's stages ask.)
     known = _ALIGNED.setdefault(gl, weakref.WeakKeyDictionary())
     if g not in known:
-        try:
-            known[g] = dataclasses.replace(prog, fb=align_one_example(local.fb, prog.fb))
-        except PlanningError as e:
-            known[g] = detached(e)
+        if len(g.nodes) == len(gl.nodes) and len(g.tensors) == len(gl.tensors) and all(
+                (a.primitive, a.inputs, a.outputs) == (b.primitive, b.inputs, b.outputs)
+                for a, b in zip(g.nodes, gl.nodes)):
+            known[g] = local
+        else:
+            try:
+                known[g] = dataclasses.replace(prog, fb=align_one_example(local.fb, prog.fb))
+            except PlanningError as e:
+                known[g] = detached(e)
     return kept_answer(known[g]), scale
 
 

@@ -382,8 +382,8 @@ class BuiltStage:
         keep = [np.flatnonzero(rows_of_class[self.cls[i]]) for i in range(len(self.groups))]
         groups = []
         for g, k in zip(self.groups, keep):
-            ng = Group(g.leader, g.members, {u: tuple(c[j] for j in k) for u, c in g.choice.items()},
-                       g.cost[k])
+            ng = Group(g.leader, g.members,
+                       {u: tuple(c[j] for j in k) for u, c in g.choice.items()}, g.cost[k])
             ng.memory = g.memory[k]
             groups.append(ng)
         edges = {(a, b): m[np.ix_(keep[a], keep[b])] for (a, b), m in self.edges.items()}
@@ -432,13 +432,18 @@ def _amortize(groups: list[Group], units: Units, amortized: AmortizedReductions)
     """Each group's cost with the all-reduces of `amortized` at its members charged at
     `amortized.weight` of their time (new cost arrays: the memo's are shared)."""
     axes, off = set(amortized.axes), units.offset
+    by_list: dict[int, np.ndarray] = {}     # repeated layers share strategy lists
     for g in groups:
         for u in g.members:
             if u < off or u - off not in amortized.nodes:
                 continue
-            saved = np.array([sum(c.time_s for c in st.collectives
-                                  if c.kind is CollectiveKind.ALL_REDUCE and set(c.axes) <= axes)
-                              for st in units.strategies[u]])
+            strategies = units.strategies[u]
+            if id(strategies) not in by_list:
+                by_list[id(strategies)] = np.array([
+                    sum(c.time_s for c in st.collectives
+                        if c.kind is CollectiveKind.ALL_REDUCE and set(c.axes) <= axes)
+                    for st in strategies])
+            saved = by_list[id(strategies)]
             if saved.any():
                 g.cost = g.cost - (1.0 - amortized.weight) * saved[np.asarray(g.choice[u])]
 
